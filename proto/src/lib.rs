@@ -10,3 +10,4 @@ pub mod lsn;
 pub mod pgoutput;
 pub mod walsender;
 
+pub use lsn::Lsn;

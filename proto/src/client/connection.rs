@@ -1,0 +1,293 @@
+//! The byte transport under a replication connection: socket setup (TCP or
+//! Unix, optional TLS), buffered frame reads and queued writes.
+//!
+//! Cancel safety is the point of the buffer layout: bytes read from the
+//! socket live in `rbuf` until a whole frame is taken out synchronously, and
+//! bytes to send live in `wbuf` until the socket accepted them. Dropping a
+//! pending `read_frame` or `flush` future therefore loses nothing; the next
+//! call picks up where the previous one stopped.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+
+use bytes::{BufMut, BytesMut};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+
+use super::codec::{self, Frame};
+use super::config::{Host, ReplicationConfig, SslMode, Target};
+use super::{ClientError, auth, tls};
+
+/// Room to read into at a time: large enough that a burst of small
+/// replication messages costs one syscall, small enough to stay in cache.
+const READ_CHUNK: usize = 64 * 1024;
+
+pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+pub(crate) struct Connection {
+    io: Box<dyn Io>,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+    /// "host:port" or the socket path, for error messages.
+    pub peer: String,
+    pub tls: bool,
+}
+
+/// What the server told us during startup and since.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Session {
+    pub params: HashMap<String, String>,
+    pub backend_pid: Option<i32>,
+}
+
+impl Session {
+    /// Absorbs asynchronous messages that may arrive at any time. Returns
+    /// false for anything else, which the caller must handle.
+    pub fn absorb(&mut self, frame: &Frame, peer: &str) -> Result<bool, ClientError> {
+        match frame.tag {
+            b'S' => {
+                let mut b = codec::Body::new("ParameterStatus", &frame.body);
+                let name = b.cstr()?;
+                let value = b.cstr()?;
+                self.params.insert(name, value);
+                Ok(true)
+            }
+            b'N' => {
+                let f = codec::parse_fields(&frame.body)?;
+                tracing::info!(
+                    peer,
+                    severity = %f.severity,
+                    code = %f.code,
+                    "server notice: {}",
+                    f.message
+                );
+                Ok(true)
+            }
+            // LISTEN is never issued on these connections, but a stray
+            // notification must not break the protocol state machine.
+            b'A' => Ok(true),
+            _ => Ok(false),
+        }
+    }
+}
+
+impl Connection {
+    fn new(io: Box<dyn Io>, peer: String, tls: bool) -> Connection {
+        Connection {
+            io,
+            rbuf: BytesMut::with_capacity(READ_CHUNK),
+            wbuf: BytesMut::with_capacity(1024),
+            peer,
+            tls,
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_test(io: Box<dyn Io>) -> Connection {
+        Connection::new(io, "test".to_owned(), false)
+    }
+
+    /// Reads the next complete backend message. Cancel-safe.
+    pub async fn read_frame(&mut self) -> Result<Frame, ClientError> {
+        loop {
+            match codec::take_frame(&mut self.rbuf)? {
+                Ok(frame) => return Ok(frame),
+                Err(need) => {
+                    self.rbuf.reserve(need.max(READ_CHUNK));
+                    let n =
+                        self.io.read_buf(&mut self.rbuf).await.map_err(|e| {
+                            ClientError::io(format!("reading from {}", self.peer), e)
+                        })?;
+                    if n == 0 {
+                        return Err(ClientError::io(
+                            format!("reading from {}", self.peer),
+                            io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "server closed the connection",
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The send buffer; messages appended here go out on the next `flush`.
+    pub fn wbuf(&mut self) -> &mut BytesMut {
+        &mut self.wbuf
+    }
+
+    /// Queues a simple-protocol Query.
+    pub fn queue_query(&mut self, sql: &str) -> Result<(), ClientError> {
+        frontend::query(sql, &mut self.wbuf)
+            .map_err(|_| ClientError::protocol("cannot send a query containing a NUL byte"))
+    }
+
+    /// Writes everything queued. Cancel-safe: bytes leave `wbuf` only once
+    /// the socket took them.
+    pub async fn flush(&mut self) -> Result<(), ClientError> {
+        while !self.wbuf.is_empty() {
+            let n = self
+                .io
+                .write_buf(&mut self.wbuf)
+                .await
+                .map_err(|e| ClientError::io(format!("writing to {}", self.peer), e))?;
+            if n == 0 {
+                return Err(ClientError::io(
+                    format!("writing to {}", self.peer),
+                    io::ErrorKind::WriteZero.into(),
+                ));
+            }
+        }
+        self.io
+            .flush()
+            .await
+            .map_err(|e| ClientError::io(format!("flushing to {}", self.peer), e))
+    }
+
+    /// Sends Terminate and closes the socket, ignoring errors: the server may
+    /// already be gone, and there is nothing left to lose.
+    pub async fn terminate(mut self) {
+        frontend::terminate(&mut self.wbuf);
+        let _ = self.flush().await;
+        let _ = self.io.shutdown().await;
+    }
+}
+
+/// Opens one connection to `target`, up to ReadyForQuery.
+pub(crate) async fn connect_target(
+    config: &ReplicationConfig,
+    target: &Target,
+    user: &str,
+) -> Result<(Connection, Session), ClientError> {
+    let mut conn = match &target.host {
+        Host::Unix(dir) => {
+            // As in libpq, sslmode does not apply to Unix sockets: the
+            // kernel already keeps local traffic private.
+            let path = dir.join(format!(".s.PGSQL.{}", target.port));
+            let stream = UnixStream::connect(&path)
+                .await
+                .map_err(|e| ClientError::io(format!("connecting to {}", path.display()), e))?;
+            Connection::new(Box::new(stream), path.display().to_string(), false)
+        }
+        Host::Tcp(host) => {
+            let peer = format!("{host}:{}", target.port);
+            let mut stream = match target.hostaddr {
+                Some(addr) => TcpStream::connect(SocketAddr::new(addr, target.port)).await,
+                None => TcpStream::connect((host.as_str(), target.port)).await,
+            }
+            .map_err(|e| ClientError::io(format!("connecting to {peer}"), e))?;
+            // Status updates are tiny and latency-sensitive.
+            stream
+                .set_nodelay(true)
+                .map_err(|e| ClientError::io(format!("setting TCP_NODELAY on {peer}"), e))?;
+            if config.ssl_mode == SslMode::Disable {
+                Connection::new(Box::new(stream), peer, false)
+            } else if negotiate_tls(&mut stream, &peer).await? {
+                let tls_config = tls::client_config(config)?;
+                let name = tls::server_name(host)?;
+                let tls_stream = tokio_rustls::TlsConnector::from(tls_config)
+                    .connect(name, stream)
+                    .await
+                    .map_err(|e| ClientError::Tls(format!("handshake with {peer}: {e}")))?;
+                Connection::new(Box::new(tls_stream), peer, true)
+            } else if config.ssl_mode.requires_tls() {
+                return Err(ClientError::Tls(format!(
+                    "{peer} does not support TLS, but sslmode={:?} requires it",
+                    config.ssl_mode
+                )));
+            } else {
+                Connection::new(Box::new(stream), peer, false)
+            }
+        }
+    };
+
+    let mut params: Vec<(&str, &str)> = vec![("user", user), ("replication", "database")];
+    if let Some(db) = config.dbname() {
+        params.push(("database", db));
+    }
+    if let Some(app) = config.application_name() {
+        params.push(("application_name", app));
+    }
+    if let Some(options) = config.options.as_deref() {
+        params.push(("options", options));
+    }
+    // We decode every server string as UTF-8, so ask for it unless the
+    // caller chose otherwise.
+    if !config.params.iter().any(|(k, _)| k == "client_encoding") {
+        params.push(("client_encoding", "UTF8"));
+    }
+    params.extend(config.params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    frontend::startup_message(params, conn.wbuf())
+        .map_err(|_| ClientError::Config("a startup parameter contains a NUL byte".into()))?;
+    conn.flush().await?;
+
+    auth::authenticate(&mut conn, user, config.password.as_deref()).await?;
+
+    let mut session = Session::default();
+    loop {
+        let frame = conn.read_frame().await?;
+        if session.absorb(&frame, &conn.peer)? {
+            continue;
+        }
+        match frame.tag {
+            b'K' => {
+                let mut b = codec::Body::new("BackendKeyData", &frame.body);
+                session.backend_pid = Some(b.i32()?);
+            }
+            b'Z' => return Ok((conn, session)),
+            b'E' => return Err(codec::server_error(&frame.body)),
+            // Only sent when we ask for protocol extensions, which we don't;
+            // harmless if a proxy sends it anyway.
+            b'v' => {}
+            tag => {
+                return Err(codec::unexpected(
+                    tag,
+                    "while waiting for ReadyForQuery after authentication",
+                ));
+            }
+        }
+    }
+}
+
+/// Sends SSLRequest and reads the one-byte answer. Reads exactly one byte,
+/// unbuffered: anything the server sends before the handshake must not be
+/// mistaken for encrypted-session data (CVE-2021-23222).
+async fn negotiate_tls(stream: &mut TcpStream, peer: &str) -> Result<bool, ClientError> {
+    let mut buf = BytesMut::with_capacity(8);
+    frontend::ssl_request(&mut buf);
+    stream
+        .write_all(&buf)
+        .await
+        .map_err(|e| ClientError::io(format!("sending SSLRequest to {peer}"), e))?;
+    let answer = stream
+        .read_u8()
+        .await
+        .map_err(|e| ClientError::io(format!("reading SSLRequest answer from {peer}"), e))?;
+    match answer {
+        b'S' => Ok(true),
+        b'N' => Ok(false),
+        other => Err(ClientError::protocol(format!(
+            "unexpected answer {:?} to SSLRequest from {peer}",
+            char::from(other)
+        ))),
+    }
+}
+
+/// Appends a CopyData message carrying `payload_len` bytes written by `fill`.
+pub(crate) fn put_copy_data(
+    buf: &mut BytesMut,
+    payload_len: usize,
+    fill: impl FnOnce(&mut BytesMut),
+) {
+    buf.reserve(5 + payload_len);
+    buf.put_u8(b'd');
+    // Callers only send fixed-size status updates, far below i32::MAX.
+    buf.put_i32((4 + payload_len) as i32);
+    let before = buf.len();
+    fill(buf);
+    debug_assert_eq!(buf.len() - before, payload_len);
+}
