@@ -1,0 +1,66 @@
+//! The apply path: one local transaction per remote transaction, on a session
+//! bound to the peer's replication origin.
+//!
+//! Invariant (exactly-once): the remote end LSN is written to
+//! `mm.apply_progress` inside the same local transaction as the rows, so
+//! progress and data commit or vanish together; a restart resumes from it.
+//!
+//! Why not the replication origin's own progress (DESIGN.md's first plan):
+//! PostgreSQL also advances an origin when a transaction that ran
+//! `pg_replication_origin_xact_setup` ABORTS (RecordTransactionAbort), and
+//! only its built-in apply worker resets that state on errors. An external
+//! applier whose session dies mid-transaction (agent killed, connection lost,
+//! deferred constraint failing at COMMIT) would thereby skip the transaction
+//! forever: we reproduced exactly that loss with `kill -9`. So the origin is
+//! used for what is safe — tagging our commits (`origin 'none'` loop
+//! suppression, `pg_xact_commit_timestamp_origin`) and carrying the remote
+//! commit timestamp — with its LSN left invalid so it never moves.
+//! Invariant (commit order): transactions are applied one after another in the
+//! order the publisher committed them; only the statements WITHIN one
+//! transaction are pipelined.
+
+mod applier;
+mod param;
+mod pipeline;
+mod relation;
+pub mod sql;
+
+pub use applier::{Applier, ChangeSource, TxnMeta, TxnOutcome};
+pub use param::Param;
+
+/// Why a change could not be applied. The stream adds peer and LSN.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{}{message}{}", relation.as_ref().map(|r| format!("relation {r}: ")).unwrap_or_default(), sqlstate.as_ref().map(|c| format!(" (SQLSTATE {c})")).unwrap_or_default())]
+pub struct ApplyFailure {
+    pub relation: Option<String>,
+    pub sqlstate: Option<String>,
+    pub message: String,
+}
+
+impl ApplyFailure {
+    pub fn new(relation: Option<&str>, message: impl Into<String>) -> Self {
+        ApplyFailure {
+            relation: relation.map(str::to_owned),
+            sqlstate: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn from_pg(relation: Option<&str>, e: &tokio_postgres::Error) -> Self {
+        match e.as_db_error() {
+            Some(db) => ApplyFailure {
+                relation: relation.map(str::to_owned),
+                sqlstate: Some(db.code().code().to_owned()),
+                message: match db.detail() {
+                    Some(d) => format!("{}: {}", db.message(), d),
+                    None => db.message().to_owned(),
+                },
+            },
+            None => ApplyFailure {
+                relation: relation.map(str::to_owned),
+                sqlstate: None,
+                message: format!("local PostgreSQL: {e}"),
+            },
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! Mapping a publisher's RELATION message onto the local table.
+//!
+//! Columns are matched by name (column order may differ between nodes); the
+//! target row is located by the LOCAL primary key / replica identity index,
+//! whatever identity the publisher used, because that is what makes the lookup
+//! an index scan here.
+
+use std::collections::HashMap;
+
+use mm_proto::pgoutput::Relation;
+use tokio_postgres::{Client, Statement};
+
+use super::ApplyFailure;
+use super::sql::{self, Locator};
+
+/// Everything needed to apply changes to one relation, plus its prepared statements.
+pub struct LocalRelation {
+    pub remote: Relation,
+    /// `"schema"."table"` for SQL.
+    pub table_sql: String,
+    /// `schema.table` for messages.
+    pub display: String,
+    /// For each remote column: the local column name it maps to.
+    pub local_names: Vec<String>,
+    /// Remote column indexes of the local key columns, in key order
+    /// (empty when the table is REPLICA IDENTITY FULL without an index).
+    pub key_remote: Vec<usize>,
+    pub locator: Locator,
+    pub insert: Option<Statement>,
+    /// Keyed by (columns left out of SET, columns left out of the row match).
+    /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
+    /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
+    /// pattern has its own statement.
+    pub update: HashMap<(Vec<bool>, Vec<bool>), Statement>,
+    /// Keyed by the columns left out of the row match (FULL identity only).
+    pub delete: HashMap<Vec<bool>, Statement>,
+}
+
+impl LocalRelation {
+    /// Looks the relation up in the local catalog. Errors name the relation and
+    /// what is missing; the caller adds peer and LSN.
+    pub async fn resolve(client: &Client, remote: Relation) -> Result<Self, ApplyFailure> {
+        let display = format!("{}.{}", remote.namespace, remote.name);
+        let fail = |message: String| ApplyFailure {
+            relation: Some(display.clone()),
+            sqlstate: None,
+            message,
+        };
+        let rows = client
+            .query(
+                "SELECT c.oid, c.relreplident::text FROM pg_catalog.pg_class c \
+                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')",
+                &[&remote.namespace, &remote.name],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
+        let Some(row) = rows.first() else {
+            return Err(fail(format!(
+                "table {display} does not exist on this node (create it with the same columns as on the publisher)"
+            )));
+        };
+        let oid: u32 = row.get(0);
+        let replident: String = row.get(1);
+        let cols = client
+            .query(
+                "SELECT attname::text FROM pg_catalog.pg_attribute \
+                 WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
+                &[&oid],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
+        let local_cols: Vec<String> = cols.iter().map(|r| r.get(0)).collect();
+        let mut local_names = Vec::with_capacity(remote.columns.len());
+        for rc in &remote.columns {
+            if !local_cols.iter().any(|c| c == &rc.name) {
+                return Err(fail(format!(
+                    "table {display} on this node is missing replicated column \"{}\"",
+                    rc.name
+                )));
+            }
+            local_names.push(rc.name.clone());
+        }
+        // Prefer the replica identity index, then the primary key: the same
+        // choice PostgreSQL's own apply worker makes.
+        let key_rows = client
+            .query(
+                "SELECT a.attname::text FROM pg_catalog.pg_index i \
+                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+                 WHERE i.indrelid = $1 AND i.indexrelid = ( \
+                   SELECT i2.indexrelid FROM pg_catalog.pg_index i2 WHERE i2.indrelid = $1 \
+                   AND (i2.indisreplident OR i2.indisprimary) AND i2.indisvalid \
+                   ORDER BY i2.indisreplident DESC LIMIT 1) \
+                 ORDER BY array_position(i.indkey::int2[], a.attnum)",
+                &[&oid],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
+        let key_names: Vec<String> = key_rows.iter().map(|r| r.get(0)).collect();
+        let (locator, key_remote) = if !key_names.is_empty() {
+            let mut idx = Vec::with_capacity(key_names.len());
+            for k in &key_names {
+                match remote.columns.iter().position(|c| &c.name == k) {
+                    Some(i) => idx.push(i),
+                    None => {
+                        return Err(fail(format!(
+                            "key column \"{k}\" of {display} is not replicated by the publisher"
+                        )));
+                    }
+                }
+            }
+            (Locator::Key(key_names), idx)
+        } else if replident == "f" {
+            (Locator::AllColumns(local_names.clone()), Vec::new())
+        } else {
+            return Err(fail(format!(
+                "table {display} has no primary key, replica identity index or REPLICA IDENTITY FULL on this node"
+            )));
+        };
+        Ok(LocalRelation {
+            table_sql: sql::qualified(&remote.namespace, &remote.name),
+            display,
+            local_names,
+            key_remote,
+            locator,
+            remote,
+            insert: None,
+            update: HashMap::new(),
+            delete: HashMap::new(),
+        })
+    }
+}

@@ -1,0 +1,495 @@
+//! mmctl's commands. Each returns what to print on success, or a `CtlError`
+//! that becomes the single `mmctl: <what failed>: <why>` line.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use mm_proto::Lsn;
+use mm_proto::api::{
+    AddNodeRequest, InitResponse, NodeInfo, NodeState, PairRequest, PauseResponse, StatusResponse,
+    StreamState, WalLsnResponse,
+};
+use serde::Serialize;
+
+use super::client::{AgentClient, ClientError};
+use super::output::{ClusterStatus, NodeView, PairView, render_status};
+
+/// A failed command: printed as `mmctl: {what}: {why}`.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {why}")]
+pub struct CtlError {
+    pub what: String,
+    pub why: String,
+}
+
+impl CtlError {
+    pub fn new(what: impl Into<String>, why: impl ToString) -> Self {
+        Self {
+            what: what.into(),
+            why: why.to_string(),
+        }
+    }
+}
+
+/// Output of a successful command.
+pub struct Output {
+    pub human: String,
+    pub json: serde_json::Value,
+}
+
+impl Output {
+    fn new<T: Serialize>(human: String, json: &T) -> Result<Self, CtlError> {
+        let json =
+            serde_json::to_value(json).map_err(|e| CtlError::new("encoding JSON output", e))?;
+        Ok(Self { human, json })
+    }
+}
+
+pub async fn init(c: &AgentClient, agent: &str) -> Result<Output, CtlError> {
+    let r: InitResponse = c
+        .post(
+            agent,
+            "/v1/init",
+            &serde_json::json!({}),
+            Some(Duration::from_secs(30)),
+        )
+        .await
+        .map_err(|e| CtlError::new("init", e))?;
+    Output::new(
+        format!(
+            "initialized a new cluster: node {} (id {}) at {agent}",
+            r.name, r.node_id
+        ),
+        &r,
+    )
+}
+
+pub async fn add_node(
+    c: &AgentClient,
+    agent: &str,
+    name: &str,
+    url: &str,
+) -> Result<Output, CtlError> {
+    let req = AddNodeRequest {
+        name: name.to_owned(),
+        url: url.to_owned(),
+    };
+    let spinner = Spinner::start(format!("adding node {name}"));
+    // No client timeout: the agent bounds each add-node step itself and
+    // answers with the step that timed out.
+    let res: Result<NodeInfo, ClientError> = c.post(agent, "/v1/nodes", &req, None).await;
+    spinner.stop();
+    let node = res.map_err(|e| CtlError::new(format!("add-node {name}"), e))?;
+    Output::new(
+        format!(
+            "node {} (id {}) is {} at {}",
+            node.name, node.id, node.state, node.api_url
+        ),
+        &node,
+    )
+}
+
+pub async fn pause(
+    c: &AgentClient,
+    agent: &str,
+    from: &str,
+    to: &str,
+    paused: bool,
+) -> Result<Output, CtlError> {
+    let (path, verb) = if paused {
+        ("/v1/pause", "pause")
+    } else {
+        ("/v1/resume", "resume")
+    };
+    let req = PairRequest {
+        from: from.to_owned(),
+        to: to.to_owned(),
+    };
+    let r: PauseResponse = c
+        .post(agent, path, &req, Some(Duration::from_secs(45)))
+        .await
+        .map_err(|e| CtlError::new(format!("{verb} {from} → {to}"), e))?;
+    let human = if r.paused {
+        format!(
+            "paused {} → {}: {} no longer applies {}'s changes (kept in {}'s slot) until resumed",
+            r.from, r.to, r.to, r.from, r.from
+        )
+    } else {
+        format!("resumed {} → {}", r.from, r.to)
+    };
+    Output::new(human, &r)
+}
+
+/// Asks `--agent` for the node list, then every node for its own view.
+pub async fn status(c: &AgentClient, agent: &str) -> Result<Output, CtlError> {
+    let first: StatusResponse = c
+        .get(agent, "/v1/status")
+        .await
+        .map_err(|e| CtlError::new("status", e))?;
+    let statuses = fetch_all_statuses(c, &first).await;
+    let agg = aggregate(agent, &first, &statuses);
+    Output::new(render_status(&agg), &agg)
+}
+
+/// Every node's /v1/status (by node id), reusing `first` for the node that answered it.
+async fn fetch_all_statuses(
+    c: &AgentClient,
+    first: &StatusResponse,
+) -> BTreeMap<u64, Result<StatusResponse, String>> {
+    let calls = first.nodes.iter().map(|n| async move {
+        if n.id == first.node_id {
+            return (n.id, Ok(first.clone()));
+        }
+        let r = c
+            .get::<StatusResponse>(&n.api_url, "/v1/status")
+            .await
+            .map_err(|e| e.to_string());
+        (n.id, r)
+    });
+    join_all(calls).await.into_iter().collect()
+}
+
+pub fn aggregate(
+    agent: &str,
+    first: &StatusResponse,
+    statuses: &BTreeMap<u64, Result<StatusResponse, String>>,
+) -> ClusterStatus {
+    let leader_id = first.leader.as_ref().map(|l| l.id);
+    let paused: BTreeSet<(String, String)> = first.paused.iter().cloned().collect();
+    let nodes = first
+        .nodes
+        .iter()
+        .map(|n| {
+            let st = statuses.get(&n.id);
+            let ok = st.and_then(|r| r.as_ref().ok());
+            NodeView {
+                info: n.clone(),
+                is_leader: Some(n.id) == leader_id,
+                reachable: ok.is_some(),
+                error: st.and_then(|r| r.as_ref().err().cloned()),
+                term: ok.map(|s| s.term),
+                last_applied_index: ok.map(|s| s.last_applied_index),
+            }
+        })
+        .collect();
+    let mut pairs = Vec::new();
+    for to in &first.nodes {
+        for from in &first.nodes {
+            if from.id == to.id {
+                continue;
+            }
+            let is_paused = paused.contains(&(from.name.clone(), to.name.clone()));
+            let mut p = PairView {
+                from: from.name.clone(),
+                to: to.name.clone(),
+                state: "unreachable".into(),
+                paused: is_paused,
+                lag_bytes: None,
+                lag_seconds: None,
+                applied_txns: None,
+                applied_rows: None,
+                conflicts_total: None,
+                conflicts: BTreeMap::new(),
+                received_lsn: None,
+                applied_lsn: None,
+                processed_lsn: None,
+                restarts: None,
+                streamed_bytes: None,
+                last_error: None,
+            };
+            if let Some(Ok(st)) = statuses.get(&to.id) {
+                match st.streams.iter().find(|s| s.from == from.name) {
+                    None => p.state = "no_stream".into(),
+                    Some(s) => {
+                        p.state = stream_state_name(s.state);
+                        p.lag_bytes = s.lag_bytes;
+                        p.lag_seconds = s.lag_seconds;
+                        p.applied_txns = Some(s.applied_txns);
+                        p.applied_rows = Some(s.applied_rows);
+                        p.conflicts_total = Some(s.conflicts.values().sum());
+                        p.conflicts = s.conflicts.clone();
+                        p.received_lsn = s.received_lsn;
+                        p.applied_lsn = s.applied_lsn;
+                        p.processed_lsn = s.processed_lsn;
+                        p.restarts = Some(s.restarts);
+                        p.streamed_bytes = Some(s.streamed_bytes);
+                        p.last_error = s.last_error.clone();
+                    }
+                }
+            }
+            pairs.push(p);
+        }
+    }
+    ClusterStatus {
+        agent: agent.to_owned(),
+        leader: first.leader.clone(),
+        term: first.term,
+        nodes,
+        pairs,
+        paused: first.paused.clone(),
+    }
+}
+
+fn stream_state_name(s: StreamState) -> String {
+    serde_json::to_value(s)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("{s:?}").to_lowercase())
+}
+
+#[derive(Serialize)]
+struct WaitSyncResult {
+    synced: bool,
+    /// Ordered pairs (from, to) that were waited for.
+    pairs: usize,
+    elapsed_seconds: f64,
+    /// Each node's WAL position at the start of the barrier.
+    barrier: BTreeMap<String, Lsn>,
+}
+
+/// The barrier: every node's WAL position is read once; then every node must
+/// have processed every other node's stream up to that position (paused
+/// pairs excepted).
+pub async fn wait_sync(
+    c: &AgentClient,
+    agent: &str,
+    timeout: Duration,
+) -> Result<Output, CtlError> {
+    let started = Instant::now();
+    let fail = |why: String| CtlError::new("wait-sync", why);
+    let first: StatusResponse = c
+        .get(agent, "/v1/status")
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let nodes: Vec<NodeInfo> = first
+        .nodes
+        .iter()
+        .filter(|n| n.state != NodeState::Parting)
+        .cloned()
+        .collect();
+    let paused: BTreeSet<(String, String)> = first.paused.iter().cloned().collect();
+
+    let lsns = join_all(nodes.iter().map(|n| async move {
+        let r = c.get::<WalLsnResponse>(&n.api_url, "/v1/wal-lsn").await;
+        (n.name.clone(), r)
+    }))
+    .await;
+    let mut barrier = BTreeMap::new();
+    for (name, r) in lsns {
+        let lsn = r.map_err(|e| fail(format!("cannot read node {name}'s WAL position: {e}")))?;
+        barrier.insert(name, lsn.lsn);
+    }
+
+    // (from, to) → last known description of why it is behind.
+    let mut pending: BTreeMap<(String, String), String> = BTreeMap::new();
+    for from in &nodes {
+        for to in &nodes {
+            let key = (from.name.clone(), to.name.clone());
+            if from.id != to.id && !paused.contains(&key) {
+                pending.insert(key, "not checked yet".into());
+            }
+        }
+    }
+    let total = pending.len();
+    let deadline = started + timeout;
+    loop {
+        let targets: Vec<&NodeInfo> = nodes
+            .iter()
+            .filter(|n| pending.keys().any(|(_, to)| to == &n.name))
+            .collect();
+        let answers = join_all(targets.iter().map(|n| async move {
+            (
+                n.name.clone(),
+                c.get::<StatusResponse>(&n.api_url, "/v1/status").await,
+            )
+        }))
+        .await;
+        for (to, answer) in answers {
+            let keys: Vec<(String, String)> =
+                pending.keys().filter(|(_, t)| *t == to).cloned().collect();
+            for key in keys {
+                let target = barrier.get(&key.0).copied().unwrap_or_default();
+                let verdict = match &answer {
+                    Err(e) => Some(format!("{to} unreachable: {e}")),
+                    Ok(st) => match st.streams.iter().find(|s| s.from == key.0) {
+                        None => Some("no stream".into()),
+                        Some(s) => match s.processed_lsn {
+                            Some(p) if p >= target => None,
+                            Some(p) => Some(format!("processed {p} of {target}")),
+                            None => Some(format!("nothing processed yet, need {target}")),
+                        },
+                    },
+                };
+                match verdict {
+                    None => {
+                        pending.remove(&key);
+                    }
+                    Some(why) => {
+                        pending.insert(key, why);
+                    }
+                }
+            }
+        }
+        if pending.is_empty() {
+            let elapsed = started.elapsed().as_secs_f64();
+            let res = WaitSyncResult {
+                synced: true,
+                pairs: total,
+                elapsed_seconds: elapsed,
+                barrier,
+            };
+            return Output::new(
+                format!("in sync: {total} streams caught up with the barrier in {elapsed:.1}s"),
+                &res,
+            );
+        }
+        if Instant::now() >= deadline {
+            let behind: Vec<String> = pending
+                .iter()
+                .map(|((from, to), why)| format!("{from} → {to} ({why})"))
+                .collect();
+            return Err(fail(format!(
+                "timed out after {}s; still behind: {}",
+                timeout.as_secs(),
+                behind.join(", ")
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Progress on a terminal while a long call runs: elapsed seconds on stderr,
+/// rewritten in place. Nothing at all when stderr is not a terminal.
+struct Spinner {
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Spinner {
+    fn start(label: String) -> Self {
+        if !std::io::stderr().is_terminal() {
+            return Self { task: None };
+        }
+        let task = tokio::spawn(async move {
+            let started = Instant::now();
+            let frames = ['|', '/', '-', '\\'];
+            let mut i = 0usize;
+            loop {
+                let mut err = std::io::stderr();
+                let _ = write!(
+                    err,
+                    "\r{} {label} … {}s ",
+                    frames[i % frames.len()],
+                    started.elapsed().as_secs()
+                );
+                let _ = err.flush();
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        });
+        Self { task: Some(task) }
+    }
+
+    fn stop(self) {
+        if let Some(t) = self.task {
+            t.abort();
+            let mut err = std::io::stderr();
+            let _ = write!(err, "\r\x1b[2K");
+            let _ = err.flush();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap
+mod tests {
+    use super::*;
+    use mm_proto::api::{LeaderInfo, Members, StreamStatus};
+
+    fn node(id: u64, name: &str) -> NodeInfo {
+        NodeInfo {
+            id,
+            name: name.into(),
+            api_url: format!("http://127.0.0.1:{id}"),
+            peer_dsn: String::new(),
+            state: NodeState::Active,
+        }
+    }
+
+    /// Built through the registry so new StreamStatus fields need no edit here.
+    fn stream(from: &str, to: &str) -> StreamStatus {
+        let reg = crate::status::StatusRegistry::new(to);
+        reg.update(from, |s| {
+            s.state = StreamState::Streaming;
+            s.processed_lsn = Some(Lsn(10));
+            s.lag_bytes = Some(5);
+            s.lag_seconds = Some(0.5);
+            s.applied_txns = 7;
+            s.applied_rows = 9;
+            s.conflicts =
+                BTreeMap::from([("insert_exists".into(), 2), ("delete_missing".into(), 1)]);
+        });
+        reg.get(from).unwrap()
+    }
+
+    fn status_of(id: u64, name: &str, streams: Vec<StreamStatus>) -> StatusResponse {
+        StatusResponse {
+            node: name.into(),
+            node_id: id,
+            leader: Some(LeaderInfo {
+                id: 1,
+                name: Some("n1".into()),
+                url: "http://127.0.0.1:1".into(),
+            }),
+            term: 4,
+            last_applied_index: 12,
+            members: Members::default(),
+            nodes: vec![node(1, "n1"), node(2, "n2"), node(3, "n3")],
+            paused: vec![("n2".into(), "n1".into())],
+            streams,
+        }
+    }
+
+    #[test]
+    fn aggregate_covers_every_ordered_pair_and_marks_unreachable() {
+        let first = status_of(1, "n1", vec![stream("n2", "n1")]);
+        let mut all = BTreeMap::new();
+        all.insert(1, Ok(first.clone()));
+        all.insert(
+            2,
+            Ok(status_of(
+                2,
+                "n2",
+                vec![stream("n1", "n2"), stream("n3", "n2")],
+            )),
+        );
+        all.insert(
+            3,
+            Err("cannot reach the agent: connection refused".to_string()),
+        );
+        let agg = aggregate("http://127.0.0.1:1", &first, &all);
+        assert_eq!(agg.pairs.len(), 6);
+        let pair = |f: &str, t: &str| agg.pairs.iter().find(|p| p.from == f && p.to == t).unwrap();
+        assert_eq!(pair("n2", "n1").state, "streaming");
+        assert!(pair("n2", "n1").paused);
+        assert_eq!(pair("n2", "n1").conflicts_total, Some(3));
+        assert_eq!(pair("n3", "n1").state, "no_stream");
+        assert_eq!(pair("n1", "n3").state, "unreachable");
+        assert_eq!(pair("n1", "n2").applied_txns, Some(7));
+        let n3 = agg.nodes.iter().find(|n| n.info.name == "n3").unwrap();
+        assert!(!n3.reachable);
+        assert!(n3.error.as_deref().unwrap().contains("connection refused"));
+        assert!(
+            agg.nodes
+                .iter()
+                .find(|n| n.info.name == "n1")
+                .unwrap()
+                .is_leader
+        );
+        let text = render_status(&agg);
+        assert!(text.contains("n1 → n3"), "{text}");
+        assert!(text.contains("unreachable"), "{text}");
+        assert!(text.contains("term 4"), "{text}");
+    }
+}

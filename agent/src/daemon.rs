@@ -1,0 +1,104 @@
+//! `mm-agent` startup: configuration, prerequisites, the agent's SQL objects,
+//! Raft, the HTTP API and the reconciler, in that order — each step refuses to
+//! go on with one clear error rather than run half-configured.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use mm_cluster_config::AgentConfig;
+use tracing::info;
+
+use crate::api::{self, AppState};
+use crate::cluster::Reconciler;
+use crate::status::StatusRegistry;
+use crate::stream::LocalNode;
+
+pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    let name = cfg.node.name.clone();
+    let token: Arc<str> = Arc::from(cfg.token().context("reading api.token_file")?.as_str());
+    let password = cfg.password().context("reading postgres.password_file")?;
+    let schemas = cfg.replication.schemas.clone();
+
+    let client = crate::pg::connect(&cfg.postgres.dsn, password.as_deref())
+        .await
+        .with_context(|| {
+            format!("node {name}: connecting to the local PostgreSQL (postgres.dsn)")
+        })?;
+    crate::prereq::check(&client, &schemas, 2)
+        .await
+        .with_context(|| format!("node {name}"))?;
+    crate::schema::ensure(&client, &schemas)
+        .await
+        .with_context(|| format!("node {name}: creating schema mm and publication mm"))?;
+    drop(client);
+
+    std::fs::create_dir_all(&cfg.node.data_dir)
+        .with_context(|| format!("creating node.data_dir {}", cfg.node.data_dir.display()))?;
+    let node_id = crate::raft::load_or_create_node_id(&cfg.node.data_dir)?;
+    let raft = crate::raft::start(
+        node_id,
+        &cfg.node.data_dir,
+        &cfg.api.advertise,
+        Arc::clone(&token),
+    )
+    .await
+    .context("starting Raft")?;
+
+    let status = Arc::new(StatusRegistry::new(&name));
+    let listener = tokio::net::TcpListener::bind(cfg.api.listen)
+        .await
+        .with_context(|| format!("binding api.listen {}", cfg.api.listen))?;
+    info!(node = %name, node_id, listen = %cfg.api.listen, "agent API listening");
+    let state = AppState {
+        raft: raft.clone(),
+        token,
+        node_name: name.clone(),
+        api_url: cfg.api.advertise.clone(),
+        peer_dsn: cfg.postgres.peer_dsn.clone(),
+        local_dsn: cfg.postgres.dsn.clone(),
+        local_password: password.clone(),
+        status: Arc::clone(&status),
+        join: crate::join::JoinOptions::default(),
+    };
+    let server = tokio::spawn(api::serve(listener, state));
+
+    let local = LocalNode {
+        name: name.clone(),
+        dsn: cfg.postgres.dsn.clone(),
+        password,
+        data_dir: cfg.node.data_dir.clone(),
+        synchronous_commit: cfg.replication.synchronous_commit.as_str().to_owned(),
+        status,
+    };
+    let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
+
+    shutdown_signal().await;
+    info!(node = %name, "shutting down");
+    reconciler.abort();
+    server.abort();
+    let _ = raft.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

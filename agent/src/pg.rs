@@ -1,0 +1,89 @@
+//! Connections to the local PostgreSQL node (ordinary SQL via tokio-postgres).
+
+use tokio_postgres::{Client, NoTls};
+
+/// Session settings that make text values portable between nodes, whatever the
+/// database or role defaults say (the same ones PostgreSQL's walreceiver forces).
+/// Used on the apply session AND as startup parameters of replication connections.
+pub const PORTABLE_SESSION_PARAMS: &[(&str, &str)] = &[
+    ("datestyle", "ISO"),
+    ("intervalstyle", "postgres"),
+    ("extra_float_digits", "3"),
+    ("timezone", "UTC"),
+    ("search_path", ""),
+    ("bytea_output", "hex"),
+    ("standard_conforming_strings", "on"),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    #[error("invalid connection string: {0}")]
+    Dsn(String),
+    #[error("cannot connect to PostgreSQL ({target}): {source}")]
+    Connect {
+        target: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+/// Describes where a DSN points without revealing secrets (for errors and logs).
+pub fn describe_dsn(dsn: &str) -> String {
+    match dsn.parse::<tokio_postgres::Config>() {
+        Ok(cfg) => {
+            let host = cfg
+                .get_hosts()
+                .first()
+                .map(|h| match h {
+                    tokio_postgres::config::Host::Tcp(s) => s.clone(),
+                    tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+                })
+                .unwrap_or_else(|| "localhost".into());
+            let port = cfg.get_ports().first().copied().unwrap_or(5432);
+            format!(
+                "host={host} port={port} dbname={}",
+                cfg.get_dbname().unwrap_or("?")
+            )
+        }
+        Err(_) => "<unparseable dsn>".into(),
+    }
+}
+
+/// Connects with the given (optional) password and spawns the connection task.
+/// Startup parameters pin the portable session settings.
+pub async fn connect(dsn: &str, password: Option<&str>) -> Result<Client, PgError> {
+    let mut cfg: tokio_postgres::Config = dsn
+        .parse()
+        .map_err(|e: tokio_postgres::Error| PgError::Dsn(e.to_string()))?;
+    if let Some(pw) = password {
+        cfg.password(pw);
+    }
+    let options: String = PORTABLE_SESSION_PARAMS
+        .iter()
+        .map(|(k, v)| {
+            if v.is_empty() {
+                format!("-c {k}=")
+            } else {
+                format!("-c {k}={v}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    cfg.options(&options);
+    if cfg.get_application_name().is_none() {
+        cfg.application_name("mm-agent");
+    }
+    let (client, conn) = cfg
+        .connect(NoTls)
+        .await
+        .map_err(|source| PgError::Connect {
+            target: describe_dsn(dsn),
+            source,
+        })?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "local PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
+}

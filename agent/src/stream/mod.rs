@@ -1,0 +1,493 @@
+//! One stream per peer: the peer's local commits, read from its slot over
+//! logical replication, applied here in the peer's commit order.
+//!
+//! Invariant (no loops): `origin 'none'` makes the publisher send only
+//! transactions committed locally on it, never ones its agent applied from a
+//! third node.
+//! Invariant (durability-gated feedback): the flush position reported to the
+//! publisher is the highest applied position whose local commit is flushed
+//! (`Applier::durable_progress`); the received-but-idle position is reported
+//! only when every applied transaction is already durable. The publisher
+//! therefore never discards a change we could still lose.
+
+pub mod names;
+mod spool;
+mod supervisor;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use mm_proto::Lsn;
+use mm_proto::api::StreamState;
+use mm_proto::client::{ReplicationClient, ReplicationConfig, SnapshotAction};
+use mm_proto::pgoutput::{Begin, Message, StreamTracker};
+use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::apply::{Applier, ApplyFailure, TxnMeta, TxnOutcome};
+use crate::status::StatusRegistry;
+use spool::Spool;
+
+pub use supervisor::{StreamHandle, spawn_stream};
+
+/// How often we report progress (and ask for a keepalive, whose position lets
+/// an idle stream's processed position advance for `wait-sync`).
+const FEEDBACK_INTERVAL: Duration = Duration::from_millis(300);
+
+/// What a stream needs to know about the local node and the agent.
+#[derive(Clone)]
+pub struct LocalNode {
+    pub name: String,
+    pub dsn: String,
+    pub password: Option<String>,
+    pub data_dir: PathBuf,
+    pub synchronous_commit: String,
+    pub status: Arc<StatusRegistry>,
+}
+
+/// The publisher side of a stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub name: String,
+    pub peer_dsn: String,
+}
+
+/// Why a stream stopped. Always names the peer and, when known, relation and LSN.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("stream from {peer}: cannot apply transaction {xid} (commit LSN {lsn}): {failure}")]
+    Apply {
+        peer: String,
+        xid: u32,
+        lsn: Lsn,
+        failure: ApplyFailure,
+    },
+    #[error("stream from {peer}: local node: {failure}")]
+    Local { peer: String, failure: ApplyFailure },
+    #[error("stream from {peer}: replication connection: {source}")]
+    Replication {
+        peer: String,
+        #[source]
+        source: mm_proto::client::ClientError,
+    },
+    #[error("stream from {peer}: malformed message at LSN {lsn}: {message}")]
+    Protocol {
+        peer: String,
+        lsn: Lsn,
+        message: String,
+    },
+    #[error("stream from {peer}: spool: {source}")]
+    Spool {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("stream from {peer}: the publisher closed the stream")]
+    Closed { peer: String },
+}
+
+/// Per-stream progress, mirrored into the status registry.
+struct Progress {
+    /// Highest publisher WAL position seen (data or keepalive).
+    received: Lsn,
+    /// End LSN of the last transaction committed locally.
+    applied: Lsn,
+    /// Everything of the publisher's below this is applied here.
+    processed: Lsn,
+}
+
+/// Connects and streams until an error or cancellation (the caller drops us).
+pub async fn run(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
+    let span = info_span!("stream", from = %peer.name, to = %local.name);
+    run_inner(local, peer).instrument(span).await
+}
+
+async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
+    let pname = peer.name.clone();
+    let local_err = |failure| StreamError::Local {
+        peer: pname.clone(),
+        failure,
+    };
+    let repl_err = |source| StreamError::Replication {
+        peer: pname.clone(),
+        source,
+    };
+    let status = &local.status;
+
+    let origin = names::origin_name(&peer.name);
+    let (mut applier, start) = Applier::open(
+        &local.dsn,
+        local.password.as_deref(),
+        &origin,
+        &local.synchronous_commit,
+    )
+    .await
+    .map_err(local_err)?;
+
+    let mut cfg = ReplicationConfig::from_dsn(&peer.peer_dsn)
+        .map_err(repl_err)?
+        .with_portable_text_settings()
+        .with_application_name(names::application_name(&peer.name, &local.name))
+        .with_connect_timeout(Duration::from_secs(10));
+    if let Some(pw) = &local.password {
+        cfg = cfg.with_password(pw.clone());
+    }
+    let mut client = ReplicationClient::connect(&cfg).await.map_err(repl_err)?;
+    let slot = names::slot_name(&peer.name, &local.name);
+    ensure_slot(&mut client, &slot).await.map_err(repl_err)?;
+
+    let options = [
+        ("proto_version", "4"),
+        ("publication_names", "\"mm\""),
+        ("origin", "none"),
+        ("streaming", "on"),
+        ("messages", "true"),
+    ];
+    let mut stream = client
+        .start_logical_replication(&slot, start, &options)
+        .await
+        .map_err(repl_err)?;
+    info!(%slot, %start, "streaming");
+
+    let mut spool =
+        Spool::open(&local.data_dir.join("spool").join(&peer.name)).map_err(|source| {
+            StreamError::Spool {
+                peer: pname.clone(),
+                source,
+            }
+        })?;
+    let mut tracker = StreamTracker::new(4, false);
+    let mut progress = Progress {
+        received: start,
+        applied: start,
+        processed: start,
+    };
+    status.update(&peer.name, |s| {
+        s.state = StreamState::Streaming;
+        s.applied_lsn = Some(start);
+        s.last_error = None;
+    });
+
+    // The ordinary (non-streamed) transaction being received.
+    let mut current: Option<(Begin, Vec<Message>)> = None;
+    let mut stream_xid: Option<u32> = None;
+    let mut ticker = tokio::time::interval(FEEDBACK_INTERVAL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+    loop {
+        let msg = tokio::select! {
+            m = stream.next() => m,
+            _ = ticker.tick() => {
+                let idle = current.is_none();
+                send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
+                publish(status, &peer.name, &progress, current.is_none());
+                continue;
+            }
+        };
+        let msg = match msg {
+            None => return Err(StreamError::Closed { peer: pname }),
+            Some(Err(e)) => return Err(repl_err(e)),
+            Some(Ok(m)) => m,
+        };
+        match msg {
+            ServerMessage::PrimaryKeepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
+                progress.received = progress.received.max(wal_end);
+                // Every transaction sent before this keepalive has been
+                // received and, when none is open, applied.
+                if current.is_none() {
+                    progress.processed = progress.processed.max(wal_end);
+                }
+                if reply_requested {
+                    let idle = current.is_none();
+                    send_feedback(
+                        &mut applier,
+                        &mut stream,
+                        &mut progress,
+                        idle,
+                        false,
+                        &pname,
+                    )
+                    .await?;
+                }
+            }
+            ServerMessage::XLogData {
+                wal_start,
+                wal_end,
+                data,
+                ..
+            } => {
+                progress.received = progress.received.max(wal_end);
+                let raw: Bytes = data;
+                let decoded = tracker
+                    .decode(raw.clone())
+                    .map_err(|e| StreamError::Protocol {
+                        peer: pname.clone(),
+                        lsn: wal_start,
+                        message: e.to_string(),
+                    })?;
+                let proto_err = |message: String| StreamError::Protocol {
+                    peer: pname.clone(),
+                    lsn: wal_start,
+                    message,
+                };
+                match decoded {
+                    Message::Begin(b) => {
+                        if current.is_some() {
+                            return Err(proto_err("BEGIN inside an open transaction".into()));
+                        }
+                        current = Some((b, Vec::new()));
+                    }
+                    Message::Commit(c) => {
+                        let Some((begin, msgs)) = current.take() else {
+                            return Err(proto_err("COMMIT without BEGIN".into()));
+                        };
+                        let meta = TxnMeta {
+                            xid: begin.xid,
+                            commit_lsn: c.commit_lsn,
+                            end_lsn: c.end_lsn,
+                            commit_ts: c.commit_timestamp,
+                        };
+                        let mut src = msgs.into_iter();
+                        let out = apply_one(&mut applier, &pname, &meta, &mut src).await?;
+                        committed(status, &pname, &mut progress, &meta, &out);
+                    }
+                    Message::StreamStart(s) => {
+                        if s.first_segment {
+                            debug!(
+                                xid = s.xid,
+                                "streaming an in-progress transaction to the spool"
+                            );
+                        }
+                        stream_xid = Some(s.xid);
+                    }
+                    Message::StreamStop => stream_xid = None,
+                    Message::StreamCommit(c) => {
+                        let meta = TxnMeta {
+                            xid: c.xid,
+                            commit_lsn: c.commit_lsn,
+                            end_lsn: c.end_lsn,
+                            commit_ts: c.commit_timestamp,
+                        };
+                        let reader = spool.take(c.xid).map_err(|source| StreamError::Spool {
+                            peer: pname.clone(),
+                            source,
+                        })?;
+                        let out = match reader {
+                            // Spool reads are buffered (1 MiB) sequential file
+                            // reads, mostly from the page cache.
+                            Some(mut r) => apply_one(&mut applier, &pname, &meta, &mut r).await?,
+                            None => {
+                                let mut empty = Vec::new().into_iter();
+                                apply_one(&mut applier, &pname, &meta, &mut empty).await?
+                            }
+                        };
+                        committed(status, &pname, &mut progress, &meta, &out);
+                    }
+                    Message::StreamAbort(a) => {
+                        spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
+                            StreamError::Spool {
+                                peer: pname.clone(),
+                                source,
+                            }
+                        })?;
+                    }
+                    Message::Relation(r) if stream_xid.is_some() => {
+                        // Like PostgreSQL's apply worker: update the relation map
+                        // now AND keep the message in the spool for replay.
+                        let xid = stream_xid.unwrap_or_default();
+                        let sub = r.xid.unwrap_or(xid);
+                        spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
+                        applier
+                            .relation(r)
+                            .await
+                            .map_err(|failure| StreamError::Apply {
+                                peer: pname.clone(),
+                                xid,
+                                lsn: wal_start,
+                                failure,
+                            })?;
+                    }
+                    other if stream_xid.is_some() => {
+                        let xid = stream_xid.unwrap_or_default();
+                        let sub = other.stream_xid().unwrap_or(xid);
+                        spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
+                    }
+                    Message::Relation(r) if current.is_none() => {
+                        applier.relation(r).await.map_err(local_err)?;
+                    }
+                    Message::Origin(_) | Message::Message(_) | Message::Type(_)
+                        if current.is_none() => {}
+                    other @ (Message::Relation(_)
+                    | Message::Type(_)
+                    | Message::Insert(_)
+                    | Message::Update(_)
+                    | Message::Delete(_)
+                    | Message::Truncate(_)
+                    | Message::Message(_)
+                    | Message::Origin(_)) => match current.as_mut() {
+                        Some((_, msgs)) => msgs.push(other),
+                        None => {
+                            return Err(proto_err(format!(
+                                "{} outside a transaction",
+                                other.name()
+                            )));
+                        }
+                    },
+                    other => {
+                        return Err(proto_err(format!(
+                            "{} was not negotiated (two-phase is off)",
+                            other.name()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn spool_append(
+    spool: &mut Spool,
+    peer: &str,
+    xid: u32,
+    sub: u32,
+    raw: &[u8],
+    status: &StatusRegistry,
+) -> Result<(), StreamError> {
+    spool
+        .append(xid, sub, raw)
+        .map_err(|source| StreamError::Spool {
+            peer: peer.to_owned(),
+            source,
+        })?;
+    status.update(peer, |s| s.streamed_bytes += raw.len() as u64);
+    Ok(())
+}
+
+async fn apply_one(
+    applier: &mut Applier,
+    peer: &str,
+    meta: &TxnMeta,
+    src: &mut dyn crate::apply::ChangeSource,
+) -> Result<TxnOutcome, StreamError> {
+    let span = tracing::debug_span!("txn", xid = meta.xid, lsn = %meta.commit_lsn);
+    debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, end_lsn = %meta.end_lsn, "applying");
+    applier
+        .apply(meta, src)
+        .instrument(span)
+        .await
+        .map_err(|failure| StreamError::Apply {
+            peer: peer.to_owned(),
+            xid: meta.xid,
+            lsn: meta.commit_lsn,
+            failure,
+        })
+}
+
+fn committed(
+    status: &StatusRegistry,
+    peer: &str,
+    progress: &mut Progress,
+    meta: &TxnMeta,
+    out: &TxnOutcome,
+) {
+    progress.applied = progress.applied.max(meta.end_lsn);
+    progress.processed = progress.processed.max(meta.end_lsn);
+    for (ty, rel) in &out.missing {
+        // Counted and logged like PostgreSQL does; the conflicts work
+        // decides these properly.
+        warn!(conflict = ty, relation = %rel, lsn = %meta.commit_lsn, "row to change not found");
+    }
+    let lag = meta
+        .commit_ts
+        .to_datetime()
+        .map(|t| (chrono::Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0);
+    status.update(peer, |s| {
+        s.applied_txns += 1;
+        s.applied_rows += out.rows;
+        s.applied_lsn = Some(progress.applied);
+        s.processed_lsn = Some(progress.processed);
+        s.received_lsn = Some(progress.received);
+        s.lag_seconds = lag;
+        for (ty, _) in &out.missing {
+            *s.conflicts.entry((*ty).to_owned()).or_default() += 1;
+        }
+    });
+    debug!(rows = out.rows, end = %meta.end_lsn, "applied");
+}
+
+fn publish(status: &StatusRegistry, peer: &str, p: &Progress, idle: bool) {
+    status.update(peer, |s| {
+        s.state = StreamState::Streaming;
+        s.received_lsn = Some(p.received);
+        s.processed_lsn = Some(p.processed);
+        s.applied_lsn = Some(p.applied);
+        s.lag_bytes = Some(p.received.0.saturating_sub(p.processed.0));
+        // While behind, lag_seconds keeps the apply delay of the last commit.
+        if idle && p.processed >= p.received {
+            s.lag_seconds = Some(0.0);
+        }
+    });
+}
+
+/// Sends a standby status update. See the module invariant.
+async fn send_feedback(
+    applier: &mut Applier,
+    stream: &mut mm_proto::client::LogicalReplicationStream,
+    p: &mut Progress,
+    idle: bool,
+    reply_requested: bool,
+    peer: &str,
+) -> Result<(), StreamError> {
+    let peer = peer.to_owned();
+    let durable = applier
+        .durable_progress()
+        .await
+        .map_err(|failure| StreamError::Local {
+            peer: peer.clone(),
+            failure,
+        })?;
+    let flush = if idle && durable >= p.applied {
+        durable.max(p.processed)
+    } else {
+        durable
+    };
+    let update = StandbyStatusUpdate {
+        write: p.received.max(flush),
+        flush,
+        apply: flush,
+        send_time: pg_now_micros(),
+        reply_requested,
+    };
+    stream
+        .send_status(&update)
+        .await
+        .map_err(|source| StreamError::Replication { peer, source })
+}
+
+/// Creates the slot on the publisher unless it exists. The subscriber owns it:
+/// it is `<from>`'s WAL kept for us.
+async fn ensure_slot(
+    client: &mut ReplicationClient,
+    slot: &str,
+) -> Result<(), mm_proto::client::ClientError> {
+    // `slot` is built by names::slot_name from [a-z0-9_] only; still quote it.
+    let rows = client
+        .simple_query(&format!(
+            "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = '{}'",
+            slot.replace('\'', "''")
+        ))
+        .await?;
+    if rows.is_empty() {
+        let created = client
+            .create_logical_slot(slot, "pgoutput", SnapshotAction::NoExport, false)
+            .await?;
+        info!(slot, consistent_point = %created.consistent_point, "created replication slot");
+    }
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! On-disk spool for transactions the publisher streams before they commit.
+//!
+//! With `streaming 'on'` the publisher sends a large transaction in chunks while
+//! it is still running. Its commit timestamp — which last-writer-wins needs —
+//! and its fate (commit or abort) are only known at STREAM COMMIT/ABORT, so
+//! chunks go to a file and are applied at commit: memory stays bounded by the
+//! read/write buffers whatever the transaction size, and the transfer overlaps
+//! the publisher's own run time instead of adding to the peer's visibility
+//! delay. Files are per top-level xid; subtransaction aborts truncate the file
+//! back to where that subtransaction began (a subtransaction always ends before
+//! its parent writes again, so its changes form one contiguous tail).
+//!
+//! Spool files never survive a restart: the slot still holds every transaction
+//! whose commit we have not confirmed, and the publisher re-sends it whole.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use mm_proto::pgoutput::{DecodeContext, Message, decode};
+
+use crate::apply::{ApplyFailure, ChangeSource};
+
+struct SpoolFile {
+    path: PathBuf,
+    writer: BufWriter<File>,
+    len: u64,
+    /// (subtransaction xid, file offset of its first change), in start order.
+    subxacts: Vec<(u32, u64)>,
+}
+
+pub struct Spool {
+    dir: PathBuf,
+    open: HashMap<u32, SpoolFile>,
+}
+
+impl Spool {
+    /// Opens the spool directory, discarding files left by a previous run.
+    pub fn open(dir: &Path) -> io::Result<Spool> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir)?;
+        }
+        std::fs::create_dir_all(dir)?;
+        Ok(Spool {
+            dir: dir.to_owned(),
+            open: HashMap::new(),
+        })
+    }
+
+    /// Appends one raw pgoutput message of top-level transaction `xid`; `subxid`
+    /// is the xid the message carries (a subtransaction's or `xid` itself).
+    pub fn append(&mut self, xid: u32, subxid: u32, raw: &[u8]) -> io::Result<()> {
+        let f = match self.open.get_mut(&xid) {
+            Some(f) => f,
+            None => {
+                let path = self.dir.join(format!("{xid}.spool"));
+                let file = OpenOptions::new()
+                    .create(true)
+                    .truncate(true)
+                    .read(true)
+                    .write(true)
+                    .open(&path)?;
+                self.open.entry(xid).or_insert(SpoolFile {
+                    path,
+                    writer: BufWriter::with_capacity(1 << 20, file),
+                    len: 0,
+                    subxacts: Vec::new(),
+                })
+            }
+        };
+        if subxid != xid && !f.subxacts.iter().any(|(s, _)| *s == subxid) {
+            f.subxacts.push((subxid, f.len));
+        }
+        let len = u32::try_from(raw.len())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "message over 4 GiB"))?;
+        f.writer.write_all(&len.to_be_bytes())?;
+        f.writer.write_all(raw)?;
+        f.len += 4 + u64::from(len);
+        Ok(())
+    }
+
+    /// STREAM ABORT: the whole transaction (`subxid == xid`) or one subtransaction.
+    pub fn abort(&mut self, xid: u32, subxid: u32) -> io::Result<()> {
+        if subxid == xid {
+            if let Some(f) = self.open.remove(&xid) {
+                drop(f.writer);
+                std::fs::remove_file(&f.path)?;
+            }
+            return Ok(());
+        }
+        let Some(f) = self.open.get_mut(&xid) else {
+            return Ok(());
+        };
+        let Some(pos) = f.subxacts.iter().position(|(s, _)| *s == subxid) else {
+            // The subtransaction made no changes we received.
+            return Ok(());
+        };
+        let offset = f.subxacts[pos].1;
+        f.subxacts.truncate(pos);
+        f.writer.flush()?;
+        f.writer.get_ref().set_len(offset)?;
+        f.writer.get_mut().sync_data().ok();
+        use std::io::Seek;
+        f.writer.get_mut().seek(io::SeekFrom::Start(offset))?;
+        f.len = offset;
+        Ok(())
+    }
+
+    /// STREAM COMMIT: hands out the transaction's changes for applying. `None`
+    /// when nothing was spooled (an empty streamed transaction).
+    pub fn take(&mut self, xid: u32) -> io::Result<Option<SpoolReader>> {
+        let Some(f) = self.open.remove(&xid) else {
+            return Ok(None);
+        };
+        let SpoolFile {
+            path, writer, len, ..
+        } = f;
+        let file = writer.into_inner().map_err(|e| e.into_error())?;
+        drop(file);
+        let file = File::open(&path)?;
+        Ok(Some(SpoolReader {
+            path,
+            reader: BufReader::with_capacity(1 << 20, file.take(len)),
+            ctx: DecodeContext {
+                protocol_version: 4,
+                in_stream_block: true,
+                parallel_streaming: false,
+            },
+        }))
+    }
+}
+
+/// Reads a committed streamed transaction back, one message at a time; the
+/// file is removed when the reader is dropped.
+pub struct SpoolReader {
+    path: PathBuf,
+    reader: BufReader<std::io::Take<File>>,
+    ctx: DecodeContext,
+}
+
+impl ChangeSource for SpoolReader {
+    fn next_message(&mut self) -> Result<Option<Message>, ApplyFailure> {
+        let io_err =
+            |e: io::Error| ApplyFailure::new(None, format!("reading spooled transaction: {e}"));
+        let mut len = [0u8; 4];
+        match self.reader.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(io_err(e)),
+        }
+        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+        self.reader.read_exact(&mut buf).map_err(io_err)?;
+        decode(Bytes::from(buf), &self.ctx)
+            .map(Some)
+            .map_err(|e| ApplyFailure::new(None, format!("decoding spooled message: {e}")))
+    }
+}
+
+impl Drop for SpoolReader {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mm_proto::pgoutput::{ColumnValue, Insert, TupleData, encode_to_bytes};
+
+    fn insert(xid: u32, v: &str) -> Bytes {
+        let ctx = DecodeContext {
+            protocol_version: 4,
+            in_stream_block: true,
+            parallel_streaming: false,
+        };
+        let m = Message::Insert(Insert {
+            xid: Some(xid),
+            relation_oid: 1,
+            new: TupleData::new(vec![ColumnValue::Text(Bytes::from(v.to_owned()))]),
+        });
+        encode_to_bytes(&m, &ctx).unwrap()
+    }
+
+    fn read_all(r: &mut SpoolReader) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(m) = r.next_message().unwrap() {
+            if let Message::Insert(i) = m
+                && let ColumnValue::Text(b) = &i.new.columns[0]
+            {
+                out.push(String::from_utf8(b.to_vec()).unwrap());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn subtransaction_abort_truncates_only_its_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Spool::open(&dir.path().join("sp")).unwrap();
+        s.append(10, 10, &insert(10, "a")).unwrap();
+        s.append(10, 11, &insert(11, "b")).unwrap();
+        s.append(10, 12, &insert(12, "c")).unwrap();
+        s.abort(10, 11).unwrap(); // rolls back 11 and its later sibling/child 12
+        s.append(10, 10, &insert(10, "d")).unwrap();
+        s.append(20, 20, &insert(20, "other")).unwrap();
+        s.abort(20, 20).unwrap();
+        let mut r = s.take(10).unwrap().unwrap();
+        assert_eq!(read_all(&mut r), vec!["a", "d"]);
+        assert!(s.take(20).unwrap().is_none());
+        let path = r.path.clone();
+        drop(r);
+        assert!(!path.exists());
+    }
+}
