@@ -1,0 +1,177 @@
+//! Bad input stops only what it must, with an error naming peer, relation
+//! and LSN; the rest of the cluster keeps replicating.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use mm_tests::{AgentProcess, PgNode, PgOptions, Secrets, TestCluster};
+
+const SCHEMA: &str = "CREATE TABLE kv (id int PRIMARY KEY, v text);";
+
+async fn wait_error(c: &TestCluster, from: &str, to: &str, needle: &str) -> Result<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = c.stream_status(from, to).await?;
+        if let Some(e) = s.get("last_error").and_then(|e| e.as_str())
+            && e.contains(needle)
+        {
+            return Ok(e.to_owned());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "stream {from}->{to} never reported an error containing {needle:?}: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_table_and_type_mismatch_stop_only_that_stream() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["g1", "g2"], SCHEMA).await?;
+    // Tables that exist on g1 only / with another column type on g2.
+    c.pg[0]
+        .execute("CREATE TABLE only_here (id int PRIMARY KEY)")
+        .await?;
+    c.pg[0]
+        .execute("CREATE TABLE typed (id int PRIMARY KEY, d text)")
+        .await?;
+    c.pg[1]
+        .execute("CREATE TABLE typed (id int PRIMARY KEY, d date)")
+        .await?;
+
+    c.pg[0].execute("INSERT INTO only_here VALUES (1)").await?;
+    let err = wait_error(&c, "g1", "g2", "only_here").await?;
+    assert!(err.contains("g1"), "error does not name the peer: {err}");
+    assert!(
+        err.contains("public.only_here"),
+        "error does not name the relation: {err}"
+    );
+    assert!(err.contains("LSN"), "error does not name the LSN: {err}");
+    // The other direction keeps replicating.
+    c.pg[1]
+        .execute("INSERT INTO kv VALUES (100, 'from g2')")
+        .await?;
+    c.wait_for(
+        0,
+        "SELECT v FROM kv WHERE id = 100",
+        "from g2",
+        Duration::from_secs(30),
+    )
+    .await?;
+    // Nothing was skipped: once the table exists the stuck transaction applies.
+    c.pg[1]
+        .execute("CREATE TABLE only_here (id int PRIMARY KEY)")
+        .await?;
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM only_here",
+        "1",
+        Duration::from_secs(60),
+    )
+    .await?;
+
+    c.pg[0]
+        .execute("INSERT INTO typed VALUES (1, 'not a date')")
+        .await?;
+    let err = wait_error(&c, "g1", "g2", "typed").await?;
+    assert!(
+        err.contains("22007") || err.contains("invalid input syntax"),
+        "{err}"
+    );
+    c.pg[1]
+        .execute("ALTER TABLE typed ALTER COLUMN d TYPE text")
+        .await?;
+    c.wait_for(
+        1,
+        "SELECT d FROM typed WHERE id = 1",
+        "not a date",
+        Duration::from_secs(60),
+    )
+    .await?;
+    c.wait_sync(60).await?;
+    c.assert_same("SELECT * FROM kv ORDER BY id").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_token_is_refused() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["t1", "t2"], SCHEMA).await?;
+    let dir = tempfile::tempdir()?;
+    let bad = dir.path().join("bad-token");
+    std::fs::write(&bad, "not-the-token")?;
+    let out = mm_tests::mmctl(&c.agents[0].url(), &bad, &["status"]).await?;
+    assert!(!out.success());
+    assert_eq!(
+        out.stderr.trim().lines().count(),
+        1,
+        "not one line: {}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("401")
+            || out.stderr.to_lowercase().contains("unauthorized")
+            || out.stderr.contains("token"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("not-the-token"),
+        "the token leaked into the error"
+    );
+    // The cluster still works with the right token.
+    c.pg[0].execute("INSERT INTO kv VALUES (1, 'ok')").await?;
+    c.wait_sync(60).await?;
+    c.assert_same("SELECT * FROM kv").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_down_does_not_stop_the_others() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["h1", "h2", "h3"], SCHEMA).await?;
+    c.pg[2].stop()?;
+    c.pg[0]
+        .execute("INSERT INTO kv VALUES (1, 'while h3 is down')")
+        .await?;
+    c.wait_for(
+        1,
+        "SELECT v FROM kv WHERE id = 1",
+        "while h3 is down",
+        Duration::from_secs(30),
+    )
+    .await?;
+    let err = wait_error(&c, "h3", "h1", "h3").await?;
+    assert!(!err.is_empty());
+    c.pg[2].start_again()?;
+    c.wait_sync(120).await?;
+    c.assert_same("SELECT * FROM kv ORDER BY id").await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_refuses_unmet_prerequisites_one_line_each() -> Result<()> {
+    mm_tests::init_tracing();
+    let pg = PgNode::start_with(
+        "bad1",
+        PgOptions::default()
+            .conf("wal_level", "replica")
+            .conf("track_commit_timestamp", "off"),
+    )?;
+    pg.execute("CREATE TABLE no_key (a int)").await?;
+    let dir = tempfile::tempdir()?;
+    let secrets = Secrets {
+        token_file: dir.path().join("token"),
+    };
+    std::fs::write(&secrets.token_file, "secret-token-value")?;
+    let mut agent = AgentProcess::spawn("bad1", &pg, &secrets)?;
+    let st = agent.wait_exit(Duration::from_secs(30))?;
+    assert!(!st.success());
+    let log = agent.log();
+    assert!(log.contains("wal_level is 'replica'"), "{log}");
+    assert!(log.contains("track_commit_timestamp is 'off'"), "{log}");
+    assert!(log.contains("public.no_key"), "{log}");
+    assert!(!log.contains("secret-token-value"), "token leaked");
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! End-to-end: real PostgreSQL 18 nodes, real mm-agent processes, formed with
+//! mmctl. Every test compares the nodes' actual rows.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use mm_tests::TestCluster;
+
+const SCHEMA: &str = "
+CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');
+CREATE TABLE kv (id int PRIMARY KEY, v text, n numeric, j jsonb, b bytea, a int[], ts timestamptz, m mood, big text);
+CREATE TABLE full_ident (a int, b text);
+ALTER TABLE full_ident REPLICA IDENTITY FULL;
+CREATE TABLE idx_ident (a int NOT NULL, b text NOT NULL, c text);
+CREATE UNIQUE INDEX idx_ident_ab ON idx_ident (a, b);
+ALTER TABLE idx_ident REPLICA IDENTITY USING INDEX idx_ident_ab;
+-- No primary key on purpose: a duplicate apply would show up as a second row.
+CREATE TABLE events (origin text NOT NULL, seq int NOT NULL, payload text);
+ALTER TABLE events REPLICA IDENTITY FULL;
+";
+
+const DUMP_KV: &str = "SELECT id, v, n, j, b, a, ts, m, md5(big) FROM kv ORDER BY id";
+const DUMP_EVENTS: &str = "SELECT origin, seq, payload FROM events ORDER BY origin, seq, payload";
+
+async fn write_disjoint(c: &TestCluster, per_node: i32) -> Result<()> {
+    for (i, node) in c.pg.iter().enumerate() {
+        let base = (i as i32) * 1_000_000;
+        node.execute(&format!(
+            "INSERT INTO kv (id, v, n, j, b, a, ts, m)
+               SELECT {base} + g, 'v' || g, g * 1.5, jsonb_build_object('g', g), '\\x00ff'::bytea, ARRAY[g, g+1],
+                      '2026-01-01 00:00:00+00'::timestamptz + g * interval '1 second', 'ok'
+               FROM generate_series(1, {per_node}) g"
+        ))
+        .await?;
+        // Many small transactions too, from each node.
+        for k in 0..20 {
+            node.execute(&format!(
+                "INSERT INTO events VALUES ('{}', {k}, 'x')",
+                node.name()
+            ))
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_replicate_both_ways() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["a1", "a2"], SCHEMA).await?;
+    write_disjoint(&c, 500).await?;
+    c.wait_sync(60).await?;
+    let kv = c.assert_same(DUMP_KV).await?;
+    assert_eq!(kv.len(), 1000);
+    let ev = c.assert_same(DUMP_EVENTS).await?;
+    assert_eq!(ev.len(), 40);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_full_mesh_exactly_once_no_loops() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["b1", "b2", "b3"], SCHEMA).await?;
+    write_disjoint(&c, 300).await?;
+    c.wait_sync(60).await?;
+    assert_eq!(c.assert_same(DUMP_KV).await?.len(), 900);
+    // Exactly once per origin: 20 events from each node, no duplicates on any node.
+    let counts = c
+        .assert_same("SELECT origin, count(*) FROM events GROUP BY origin ORDER BY origin")
+        .await?;
+    assert_eq!(counts.len(), 3);
+    for row in &counts {
+        assert_eq!(row[1].as_deref(), Some("20"), "{row:?}");
+    }
+    // No loops: after quiescence nothing more is applied anywhere.
+    let before = applied_txns(&c).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    c.wait_sync(30).await?;
+    let after = applied_txns(&c).await?;
+    assert_eq!(
+        before, after,
+        "transactions kept being applied after quiescence"
+    );
+    // Each node applied exactly the 21 transactions (1 bulk + 20 small) of each peer.
+    for (pair, n) in &after {
+        assert_eq!(*n, 21, "applied transactions for {pair}");
+    }
+    // Origins carry the remote commits: rows from b1 on b2 have origin mm_b1.
+    let origin = c.pg[1]
+        .query_one_string(
+            "SELECT r.roname FROM events e, pg_xact_commit_timestamp_origin(e.xmin) x \
+             JOIN pg_replication_origin r ON r.roident = x.roident WHERE e.origin = 'b1' LIMIT 1",
+        )
+        .await?;
+    assert_eq!(origin.as_deref(), Some("mm_b1"));
+    // ... and the publisher's commit timestamp, which last-writer-wins compares.
+    let ts_sql =
+        "SELECT pg_xact_commit_timestamp(xmin)::text FROM events WHERE origin = 'b1' AND seq = 7";
+    let on_b1 = c.pg[0].query_one_string(ts_sql).await?;
+    assert!(on_b1.is_some());
+    assert_eq!(c.pg[1].query_one_string(ts_sql).await?, on_b1);
+    assert_eq!(c.pg[2].query_one_string(ts_sql).await?, on_b1);
+    Ok(())
+}
+
+/// (from->to, applied txns) for every stream, from every agent's status.
+async fn applied_txns(c: &TestCluster) -> Result<Vec<(String, u64)>> {
+    // The aggregate status lists every stream as {from, to, applied_txns, ...}.
+    let v = c.status_json(0).await?;
+    let mut out = Vec::new();
+    let mut stack = vec![&v];
+    while let Some(x) = stack.pop() {
+        match x {
+            serde_json::Value::Object(m) => {
+                if let (Some(f), Some(t), Some(n)) = (
+                    m.get("from").and_then(|v| v.as_str()),
+                    m.get("to").and_then(|v| v.as_str()),
+                    m.get("applied_txns").and_then(|v| v.as_u64()),
+                ) {
+                    out.push((format!("{f}->{t}"), n));
+                } else {
+                    stack.extend(m.values());
+                }
+            }
+            serde_json::Value::Array(a) => stack.extend(a.iter()),
+            _ => {}
+        }
+    }
+    out.sort();
+    out.dedup();
+    anyhow::ensure!(
+        out.len() == c.agents.len() * (c.agents.len() - 1),
+        "status lists {} streams: {out:?}",
+        out.len()
+    );
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_shapes_types_toast_identity_truncate() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["c1", "c2"], SCHEMA).await?;
+    let n1 = &c.pg[0];
+    // A TOASTed value (incompressible, > 2 kB) that later updates leave unchanged.
+    n1.execute(
+        "INSERT INTO kv (id, v, big) SELECT 1, 'first', string_agg(md5(g::text), '') FROM generate_series(1, 400) g;
+         INSERT INTO kv (id, v, n, j, b, a, ts, m) VALUES
+           (2, NULL, 123456789.123456789, '{\"k\": [1, 2, {\"x\": null}]}', '\\xdeadbeef', '{1,NULL,3}', '2026-11-29 12:34:56.789+05:30', 'happy'),
+           (3, 'quote''s \"and\" \\back', -0.0, 'null', '\\x', '{}', 'infinity', 'sad');
+         INSERT INTO full_ident VALUES (1, 'a'), (1, 'a'), (2, NULL);
+         INSERT INTO idx_ident VALUES (1, 'x', 'c1'), (2, 'y', 'c2');",
+    )
+    .await?;
+    c.wait_sync(60).await?;
+    c.assert_same(DUMP_KV).await?;
+    // Updates: without key change (TOAST column unchanged), with key change, NULLs.
+    n1.execute(
+        "UPDATE kv SET v = 'second' WHERE id = 1;
+         UPDATE kv SET id = 10, v = 'moved' WHERE id = 2;
+         UPDATE kv SET n = NULL, j = NULL WHERE id = 3;
+         UPDATE full_ident SET b = 'b' WHERE a = 2;
+         DELETE FROM full_ident WHERE ctid = (SELECT ctid FROM full_ident WHERE a = 1 LIMIT 1);
+         UPDATE idx_ident SET b = 'z', c = 'changed' WHERE a = 1;
+         DELETE FROM idx_ident WHERE a = 2;",
+    )
+    .await?;
+    // A transaction with savepoints, one rolled back.
+    n1.execute(
+        "BEGIN; INSERT INTO kv (id, v) VALUES (20, 'kept');
+         SAVEPOINT s1; INSERT INTO kv (id, v) VALUES (21, 'rolled back'); ROLLBACK TO s1;
+         SAVEPOINT s2; INSERT INTO kv (id, v) VALUES (22, 'kept too'); RELEASE s2; COMMIT;",
+    )
+    .await?;
+    c.wait_sync(60).await?;
+    let kv = c.assert_same(DUMP_KV).await?;
+    let ids: Vec<_> = kv
+        .iter()
+        .map(|r| r[0].clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["1", "3", "10", "20", "22"]);
+    assert!(
+        kv[0][8].is_some(),
+        "TOASTed column was lost by an update that left it unchanged"
+    );
+    assert_eq!(kv[0][1].as_deref(), Some("second"));
+    c.assert_same("SELECT a, b FROM full_ident ORDER BY a, b")
+        .await?;
+    assert_eq!(
+        c.rows(1, "SELECT a, b FROM full_ident ORDER BY a, b")
+            .await?,
+        vec![
+            vec![Some("1".into()), Some("a".into())],
+            vec![Some("2".into()), Some("b".into())]
+        ]
+    );
+    assert_eq!(
+        c.assert_same("SELECT a, b, c FROM idx_ident ORDER BY a")
+            .await?,
+        vec![vec![
+            Some("1".into()),
+            Some("z".into()),
+            Some("changed".into())
+        ]]
+    );
+    // TRUNCATE replicates too.
+    n1.execute("TRUNCATE full_ident").await?;
+    c.wait_sync(60).await?;
+    assert_eq!(
+        c.rows(1, "SELECT count(*) FROM full_ident").await?[0][0].as_deref(),
+        Some("0")
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn added_column_is_picked_up_without_restart() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["d1", "d2"], SCHEMA).await?;
+    c.pg[0]
+        .execute("INSERT INTO kv (id, v) VALUES (1, 'before')")
+        .await?;
+    c.wait_sync(60).await?;
+    for n in &c.pg {
+        n.execute("ALTER TABLE kv ADD COLUMN extra text").await?;
+    }
+    c.pg[0]
+        .execute("INSERT INTO kv (id, v, extra) VALUES (2, 'after', 'new column')")
+        .await?;
+    c.pg[1]
+        .execute("UPDATE kv SET extra = 'from d2' WHERE id = 1")
+        .await?;
+    c.wait_sync(60).await?;
+    let rows = c
+        .assert_same("SELECT id, v, extra FROM kv ORDER BY id")
+        .await?;
+    assert_eq!(rows[1][2].as_deref(), Some("new column"));
+    assert_eq!(rows[0][2].as_deref(), Some("from d2"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["e1", "e2"], SCHEMA).await?;
+    c.mmctl(0, &["pause", "--from", "e1", "--to", "e2"])
+        .await?
+        .ok()?;
+    c.pg[0]
+        .execute("INSERT INTO kv (id, v) VALUES (1, 'held')")
+        .await?;
+    c.pg[1]
+        .execute("INSERT INTO kv (id, v) VALUES (2, 'flows')")
+        .await?;
+    // wait-sync waits only on the streams that are not paused.
+    c.wait_sync(60).await?;
+    assert_eq!(
+        c.rows(0, "SELECT count(*) FROM kv").await?[0][0].as_deref(),
+        Some("2")
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        c.rows(1, "SELECT count(*) FROM kv").await?[0][0].as_deref(),
+        Some("1")
+    );
+    let st = c.mmctl(1, &["status"]).await?.ok()?;
+    assert!(
+        st.stdout.contains("paused"),
+        "status does not show the pause:\n{}",
+        st.stdout
+    );
+    // The pause survives an agent restart.
+    c.mmctl(0, &["resume", "--from", "e1", "--to", "e2"])
+        .await?
+        .ok()?;
+    c.wait_sync(60).await?;
+    c.assert_same(DUMP_KV).await?;
+    Ok(())
+}
