@@ -299,6 +299,46 @@ impl AgentProcess {
         Some(kb * 1024)
     }
 
+    /// `GET /metrics` with the cluster token (a bare HTTP/1.1 request: the
+    /// test crate needs no HTTP client for one scrape).
+    pub async fn metrics(&self, token_file: &Path) -> Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let token = std::fs::read_to_string(token_file)?;
+        let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+        let req = format!(
+            "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+            self.port,
+            token.trim()
+        );
+        sock.write_all(req.as_bytes()).await?;
+        let mut buf = Vec::new();
+        sock.read_to_end(&mut buf).await?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else {
+            bail!("malformed HTTP response: {text}");
+        };
+        if !head.starts_with("HTTP/1.1 200") {
+            bail!("GET /metrics: {head}");
+        }
+        if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            let mut out = String::new();
+            let mut rest = body;
+            while let Some((size, after)) = rest.split_once("\r\n") {
+                let n = usize::from_str_radix(size.trim(), 16)?;
+                if n == 0 || after.len() < n {
+                    break;
+                }
+                out.push_str(&after[..n]);
+                rest = after[n..].trim_start_matches("\r\n");
+            }
+            return Ok(out);
+        }
+        Ok(body.to_owned())
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }

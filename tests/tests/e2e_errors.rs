@@ -175,3 +175,48 @@ async fn agent_refuses_unmet_prerequisites_one_line_each() -> Result<()> {
     assert!(!log.contains("secret-token-value"), "token leaked");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unique_violation_stops_the_stream_until_fixed_nothing_skipped() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["u1", "u2"], SCHEMA).await?;
+    // A row on u2 that is never replicated (written under a replication
+    // origin, which `origin 'none'` filters): the incoming insert collides.
+    let local = c.pg[1].connect().await?;
+    local
+        .batch_execute(
+            "SELECT pg_replication_origin_create('local_fix');
+             SELECT pg_replication_origin_session_setup('local_fix');
+             INSERT INTO kv VALUES (7, 'only on u2');",
+        )
+        .await?;
+    c.pg[0]
+        .execute("INSERT INTO kv VALUES (7, 'from u1')")
+        .await?;
+    let err = wait_error(&c, "u1", "u2", "23505").await?;
+    assert!(err.contains("public.kv"), "{err}");
+    assert!(err.contains("u1"), "{err}");
+    // The other direction still flows.
+    c.pg[1]
+        .execute("INSERT INTO kv VALUES (8, 'from u2')")
+        .await?;
+    c.wait_for(
+        0,
+        "SELECT v FROM kv WHERE id = 8",
+        "from u2",
+        Duration::from_secs(30),
+    )
+    .await?;
+    // Fix the data: the stuck transaction applies, nothing was skipped.
+    local.batch_execute("DELETE FROM kv WHERE id = 7").await?;
+    c.wait_for(
+        1,
+        "SELECT v FROM kv WHERE id = 7",
+        "from u1",
+        Duration::from_secs(60),
+    )
+    .await?;
+    c.wait_sync(60).await?;
+    c.assert_same("SELECT * FROM kv ORDER BY id").await?;
+    Ok(())
+}

@@ -54,6 +54,18 @@ async fn two_nodes_replicate_both_ways() -> Result<()> {
     assert_eq!(kv.len(), 1000);
     let ev = c.assert_same(DUMP_EVENTS).await?;
     assert_eq!(ev.len(), 40);
+    // /metrics (authenticated) reports the stream into a2: 21 transactions
+    // (one bulk insert, 20 single-row ones) and 520 rows from a1.
+    let metrics = c.agents[1].metrics(&c.token_file()).await?;
+    for line in [
+        "mm_stream_applied_transactions_total{from=\"a1\",to=\"a2\"} 21",
+        "mm_stream_applied_rows_total{from=\"a1\",to=\"a2\"} 520",
+        "mm_stream_state{from=\"a1\",to=\"a2\"} 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+    assert!(metrics.contains("mm_stream_lag_bytes{from=\"a1\",to=\"a2\"}"));
+    assert!(metrics.contains("mm_stream_lag_seconds{from=\"a1\",to=\"a2\"}"));
     Ok(())
 }
 
@@ -241,7 +253,7 @@ async fn added_column_is_picked_up_without_restart() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
     mm_tests::init_tracing();
-    let c = TestCluster::start(&["e1", "e2"], SCHEMA).await?;
+    let mut c = TestCluster::start(&["e1", "e2"], SCHEMA).await?;
     c.mmctl(0, &["pause", "--from", "e1", "--to", "e2"])
         .await?
         .ok()?;
@@ -268,7 +280,23 @@ async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
         "status does not show the pause:\n{}",
         st.stdout
     );
-    // The pause survives an agent restart.
+    // The pause survives an agent restart: it lives in Raft.
+    c.agents[1].kill9()?;
+    c.agents[1].start()?;
+    c.agents[1].wait_ready(Duration::from_secs(30)).await?;
+    c.pg[0]
+        .execute("INSERT INTO kv (id, v) VALUES (3, 'held too')")
+        .await?;
+    c.wait_sync(60).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        c.rows(1, "SELECT count(*) FROM kv").await?[0][0].as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        c.stream_status("e1", "e2").await?["state"].as_str(),
+        Some("paused")
+    );
     c.mmctl(0, &["resume", "--from", "e1", "--to", "e2"])
         .await?
         .ok()?;
