@@ -53,7 +53,6 @@ pub struct Applier {
     origin: String,
     relations: HashMap<u32, LocalRelation>,
     begin: Statement,
-    setup: Statement,
     save_progress: Statement,
     commit: Statement,
     wal_positions: Statement,
@@ -150,14 +149,14 @@ impl Applier {
         let start = parse_lsn(row.get(0), "stored apply progress")?;
         let begin = client.prepare("BEGIN").await.map_err(pg)?;
         let commit = client.prepare("COMMIT").await.map_err(pg)?;
-        // The LSN argument stays invalid on purpose: see the module docs.
-        let setup = client
-            .prepare("SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $1)")
-            .await
-            .map_err(pg)?;
+        // One statement records progress and gives the commit the remote
+        // commit timestamp. The origin LSN argument stays invalid on purpose
+        // (module docs); with it invalid, the call may come last.
         let save_progress = client
             .prepare(
-                "UPDATE mm.apply_progress SET remote_lsn = $1, remote_commit_ts = $2 WHERE origin = $3",
+                "WITH ts AS (SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $2)) \
+                 UPDATE mm.apply_progress SET remote_lsn = $1, remote_commit_ts = $2 \
+                 FROM ts WHERE origin = $3",
             )
             .await
             .map_err(pg)?;
@@ -172,7 +171,6 @@ impl Applier {
             origin: origin.to_owned(),
             relations: HashMap::new(),
             begin,
-            setup,
             save_progress,
             commit,
             wal_positions,
@@ -239,9 +237,6 @@ impl Applier {
         };
         pipe.push(&self.begin.clone(), Vec::new(), control())
             .await?;
-        let ts = Param::text(meta.commit_ts.to_string());
-        pipe.push(&self.setup.clone(), vec![ts.clone()], control())
-            .await?;
         while let Some(msg) = src.next_message()? {
             match msg {
                 Message::Relation(r) => {
@@ -269,7 +264,7 @@ impl Applier {
             &self.save_progress.clone(),
             vec![
                 Param::text(meta.end_lsn.to_string()),
-                ts,
+                Param::text(meta.commit_ts.to_string()),
                 Param::text(self.origin.clone()),
             ],
             control(),

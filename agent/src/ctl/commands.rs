@@ -111,6 +111,9 @@ pub async fn pause(
         .post(agent, path, &req, Some(Duration::from_secs(45)))
         .await
         .map_err(|e| CtlError::new(format!("{verb} {from} → {to}"), e))?;
+    if r.paused {
+        wait_stream_paused(c, agent, from, to).await?;
+    }
     let human = if r.paused {
         format!(
             "paused {} → {}: {} no longer applies {}'s changes (kept in {}'s slot) until resumed",
@@ -120,6 +123,44 @@ pub async fn pause(
         format!("resumed {} → {}", r.from, r.to)
     };
     Output::new(human, &r)
+}
+
+/// A pause is recorded in Raft first; `to`'s reconciler then stops the
+/// stream. Return only once `to` reports it stopped, so that a caller who
+/// writes on `from` right after `pause` knows the write will be held.
+async fn wait_stream_paused(
+    c: &AgentClient,
+    agent: &str,
+    from: &str,
+    to: &str,
+) -> Result<(), CtlError> {
+    let what = || format!("pause {from} → {to}");
+    let first: StatusResponse = c
+        .get(agent, "/v1/status")
+        .await
+        .map_err(|e| CtlError::new(what(), e))?;
+    let Some(target) = first.nodes.iter().find(|n| n.name == to) else {
+        return Ok(());
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(st) = c.get::<StatusResponse>(&target.api_url, "/v1/status").await
+            && st
+                .streams
+                .iter()
+                .find(|s| s.from == from)
+                .is_none_or(|s| s.state == mm_proto::api::StreamState::Paused)
+        {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(CtlError::new(
+                what(),
+                format!("recorded, but {to} has not stopped its stream from {from} within 30 s"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Asks `--agent` for the node list, then every node for its own view.
