@@ -159,6 +159,37 @@ impl Reconciler {
         .await?;
         tx.commit().await?;
         self.materialized_index = state.last_applied_index;
+        check_capacity(&client, state).await;
         Ok(())
+    }
+}
+
+/// SPEC §2: slots and senders must cover 2 x (nodes - 1) + 2. Checked at
+/// start for two nodes and again whenever membership changes; too few is
+/// logged loudly (a stream that cannot get a slot then reports its own error).
+async fn check_capacity(client: &tokio_postgres::Client, state: &ClusterState) {
+    let members = state
+        .nodes
+        .values()
+        .filter(|n| n.state != NodeState::Parting)
+        .count();
+    let need = crate::prereq::required_slots(members);
+    for name in ["max_replication_slots", "max_wal_senders"] {
+        let have = match client
+            .query_one("SELECT pg_catalog.current_setting($1)::int8", &[&name])
+            .await
+        {
+            Ok(row) => row.get::<_, i64>(0),
+            Err(_) => continue,
+        };
+        if have < need {
+            warn!(
+                setting = name,
+                have,
+                need,
+                members,
+                "{name} is {have}, below the {need} a {members}-node cluster needs (2 x (nodes - 1) + 2)"
+            );
+        }
     }
 }

@@ -16,7 +16,7 @@ async fn million_row_transaction_streams_with_bounded_memory() -> Result<()> {
     mm_tests::init_tracing();
     // A small decoding memory limit makes the publisher stream early.
     let opts = PgOptions::default().conf("logical_decoding_work_mem", "1MB");
-    let c = TestCluster::start_with(&["l1", "l2"], SCHEMA, opts).await?;
+    let mut c = TestCluster::start_with(&["l1", "l2"], SCHEMA, opts).await?;
     let client = c.pg[0].connect().await?;
     client
         .batch_execute(
@@ -44,12 +44,22 @@ async fn million_row_transaction_streams_with_bounded_memory() -> Result<()> {
         c.rows(1, "SELECT count(*) FROM big").await?[0][0].as_deref(),
         Some("0")
     );
+    // Crash the subscriber's agent with part of the transaction spooled: the
+    // spool is discarded and the publisher must stream it all again.
+    c.agents[1].kill9()?;
+    c.agents[1].start()?;
+    c.agents[1].wait_ready(Duration::from_secs(30)).await?;
+    client
+        .batch_execute(
+            "INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1000001, 1000100) g",
+        )
+        .await?;
     let committed = Instant::now();
     client.batch_execute("COMMIT").await?;
     c.wait_for(
         1,
         "SELECT count(*) FROM big",
-        "1000000",
+        "1000100",
         Duration::from_secs(300),
     )
     .await?;
