@@ -7,6 +7,7 @@
 //! about a second.
 
 pub mod agent;
+pub mod bench;
 pub mod cluster;
 mod install;
 mod pg;
@@ -14,6 +15,7 @@ mod ports;
 mod procs;
 mod sweep;
 mod user;
+pub mod wal;
 
 use std::path::PathBuf;
 

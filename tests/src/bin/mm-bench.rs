@@ -1,0 +1,486 @@
+//! mm-bench: mm against PostgreSQL's native logical replication, side by side
+//! in one run on one machine with the same PostgreSQL build, reported as
+//! ratios mm/native (the absolute numbers of a shared, noisy machine mean
+//! little; the ratio of two systems measured minutes apart means more).
+//!
+//!   mm-bench [--quick] [--rows N] [--clients N] [--only 1,2,3,4] ...
+//!
+//! Every flag also reads an environment default, `MM_BENCH_<FLAG>` (e.g.
+//! `MM_BENCH_ROWS=50000`). `scripts/bench.sh` builds release binaries and
+//! runs this with the release mm-agent/mmctl.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use mm_tests::bench::{self, Kind, Measured, System, TpcbConfig, TpcbResult, percentile};
+
+const USAGE: &str = "\
+mm-bench: mm vs PostgreSQL native logical replication (2 nodes each)
+
+  --quick              small smoke run (~1 minute): 10k rows, 5 s TPC-B
+  --rows N             rows / transactions of workloads 1-3 (default 200000)
+  --clients N          publisher connections driving workloads 1 and 3 (default 4)
+  --sync-commit on|off synchronous_commit of those connections (default off: the
+                       publisher's fsyncs must not be what is measured)
+  --only LIST          workloads to run, e.g. 1,3 (default 1,2,3,4)
+  --systems LIST       native,mm (default both; one alone is for profiling)
+  --tpcb-seconds S     duration of the bidirectional TPC-B-like run (default 25)
+  --tpcb-rate R[,R..]  pgbench -R per node, transactions/s, one run each; 0 = unthrottled
+                       (default 100,300: comfortable, and near this 2-core box's limit)
+  --tpcb-clients N     pgbench clients per node (default 2)
+  --accounts N         accounts per node for TPC-B (default 100000 = pgbench scale 1)
+  --heartbeat-ms MS    heartbeat period on each node (default 100)
+  --sample-ms MS       lag sampling period on each node, jittered ±50% (default 10:
+                       at 100 the sampling step would swamp lags of a few ms)
+  --idle-seconds S     heartbeat-only sampling before the load: the method's floor (default 3)
+  --agent-log FILTER   MM_LOG of the agents (default info; debug logs every transaction)
+
+Every flag has an environment default MM_BENCH_<FLAG> (MM_BENCH_ROWS, MM_BENCH_QUICK=1, ...).
+Agent binaries: MM_AGENT_BIN / MMCTL_BIN, else next to this executable.
+";
+
+#[derive(Debug, Clone)]
+struct Args {
+    rows: u64,
+    clients: usize,
+    sync_commit: bool,
+    only: Vec<u8>,
+    systems: Vec<Kind>,
+    tpcb_seconds: u64,
+    tpcb_rates: Vec<u64>,
+    tpcb_clients: usize,
+    accounts: u64,
+    heartbeat_ms: u64,
+    sample_ms: u64,
+    idle_seconds: u64,
+    agent_log: String,
+    quick: bool,
+}
+
+const FLAGS: &[&str] = &[
+    "rows",
+    "clients",
+    "sync-commit",
+    "only",
+    "systems",
+    "tpcb-seconds",
+    "tpcb-rate",
+    "tpcb-clients",
+    "accounts",
+    "heartbeat-ms",
+    "sample-ms",
+    "idle-seconds",
+    "agent-log",
+];
+
+fn env_name(flag: &str) -> String {
+    format!("MM_BENCH_{}", flag.replace('-', "_").to_ascii_uppercase())
+}
+
+fn parse_args() -> Result<Option<Args>> {
+    // Flags override environment defaults; --quick only changes defaults, so
+    // `--quick --rows 5000` means a quick run with 5000 rows.
+    let mut given: Vec<(String, String)> = Vec::new();
+    for f in FLAGS {
+        if let Ok(v) = std::env::var(env_name(f)) {
+            given.push(((*f).to_owned(), v));
+        }
+    }
+    let mut quick = std::env::var("MM_BENCH_QUICK").is_ok_and(|v| v == "1" || v == "true");
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                return Ok(None);
+            }
+            "--quick" => quick = true,
+            a => {
+                let Some(name) = a.strip_prefix("--") else {
+                    bail!("unexpected argument {a:?}\n\n{USAGE}");
+                };
+                let (name, value) = match name.split_once('=') {
+                    Some((n, v)) => (n.to_owned(), v.to_owned()),
+                    None => {
+                        let v = it
+                            .next()
+                            .with_context(|| format!("--{name} needs a value"))?;
+                        (name.to_owned(), v)
+                    }
+                };
+                if !FLAGS.contains(&name.as_str()) {
+                    bail!("unknown flag --{name}\n\n{USAGE}");
+                }
+                given.push((name, value));
+            }
+        }
+    }
+    let mut a = Args {
+        rows: if quick { 10_000 } else { 200_000 },
+        clients: 4,
+        sync_commit: false,
+        only: vec![1, 2, 3, 4],
+        systems: vec![Kind::Native, Kind::Mm],
+        tpcb_seconds: if quick { 5 } else { 25 },
+        tpcb_rates: vec![100, 300],
+        tpcb_clients: 2,
+        accounts: if quick { 10_000 } else { 100_000 },
+        heartbeat_ms: 100,
+        sample_ms: 10,
+        idle_seconds: if quick { 1 } else { 3 },
+        agent_log: "info".to_owned(),
+        quick,
+    };
+    for (name, v) in given {
+        let num = || -> Result<u64> {
+            v.trim()
+                .parse()
+                .with_context(|| format!("--{name}: {v:?} is not a non-negative integer"))
+        };
+        match name.as_str() {
+            "rows" => a.rows = num()?.max(1),
+            "clients" => a.clients = usize::try_from(num()?.max(1))?,
+            "tpcb-seconds" => a.tpcb_seconds = num()?.max(1),
+            "tpcb-rate" => {
+                a.tpcb_rates = v
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| {
+                        s.trim()
+                            .parse()
+                            .with_context(|| format!("--tpcb-rate: {s:?} is not a rate"))
+                    })
+                    .collect::<Result<_>>()?;
+                if a.tpcb_rates.is_empty() {
+                    bail!("--tpcb-rate needs at least one rate");
+                }
+            }
+            "tpcb-clients" => a.tpcb_clients = usize::try_from(num()?.max(1))?,
+            "accounts" => a.accounts = num()?.max(1),
+            "heartbeat-ms" => a.heartbeat_ms = num()?.max(1),
+            "sample-ms" => a.sample_ms = num()?.max(1),
+            "idle-seconds" => a.idle_seconds = num()?,
+            "agent-log" => a.agent_log = v,
+            "sync-commit" => {
+                a.sync_commit = match v.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    _ => bail!("--sync-commit: {v:?} is neither on nor off"),
+                }
+            }
+            "systems" => {
+                a.systems = v
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| match s.trim() {
+                        "native" => Ok(Kind::Native),
+                        "mm" => Ok(Kind::Mm),
+                        _ => bail!("--systems: {s:?} is neither native nor mm"),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            "only" => {
+                a.only = v
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| match s.trim().parse::<u8>() {
+                        Ok(n @ 1..=4) => Ok(n),
+                        _ => bail!("--only: {s:?} is not a workload number 1-4"),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            other => bail!("unknown flag --{other}"),
+        }
+    }
+    Ok(Some(a))
+}
+
+/// One workload's numbers for each system that ran.
+struct Row {
+    name: String,
+    native: Option<Measured>,
+    mm: Option<Measured>,
+}
+
+impl Row {
+    fn ratio(&self) -> Option<f64> {
+        Some(self.mm?.rows_per_sec() / self.native?.rows_per_sec())
+    }
+}
+
+fn print_measured(label: &str, m: &Measured) {
+    println!(
+        "  {label:<6} rows {:>8}  publisher done {:>7.2} s  subscriber has all {:>7.2} s  {:>9.0} rows/s",
+        m.rows,
+        m.load.as_secs_f64(),
+        m.total.as_secs_f64(),
+        m.rows_per_sec()
+    );
+}
+
+/// Seconds and rows/s as table cells, dashes for a system that did not run.
+fn cells(m: Option<Measured>) -> (String, String) {
+    match m {
+        Some(m) => (
+            format!("{:.2}", m.total.as_secs_f64()),
+            format!("{:.0}", m.rows_per_sec()),
+        ),
+        None => ("-".to_owned(), "-".to_owned()),
+    }
+}
+
+struct Lag {
+    p50: f64,
+    p95: f64,
+    p99: f64,
+    max: f64,
+    n: usize,
+}
+
+fn lag(v: &[f64]) -> Lag {
+    Lag {
+        p50: percentile(v, 50.0),
+        p95: percentile(v, 95.0),
+        p99: percentile(v, 99.0),
+        max: percentile(v, 100.0),
+        n: v.len(),
+    }
+}
+
+fn print_tpcb(label: &str, t: &TpcbResult) {
+    let s = lag(&t.load.staleness);
+    let d = lag(&t.load.delivery);
+    let idle = lag(&t.idle.staleness);
+    println!(
+        "  {label:<6} pgbench {} + {} txns ({:.0} + {:.0} tps); drain after load {:.2} s",
+        t.txns[0],
+        t.txns[1],
+        t.tps[0],
+        t.tps[1],
+        t.drain.as_secs_f64()
+    );
+    println!(
+        "         staleness ms p50 {:.0} p95 {:.0} p99 {:.0} max {:.0} ({} samples; idle p50 {:.0})",
+        s.p50, s.p95, s.p99, s.max, s.n, idle.p50
+    );
+    println!(
+        "         delivery  ms p50 {:.0} p95 {:.0} p99 {:.0} max {:.0} ({} heartbeats)",
+        d.p50, d.p95, d.p99, d.max, d.n
+    );
+}
+
+fn markdown(args: &Args, rows: &[Row], tpcb: &[(String, u64, TpcbResult)]) -> String {
+    let mut s = String::new();
+    if !rows.is_empty() {
+        s.push_str(
+            "| workload | rows | native s | native rows/s | mm s | mm rows/s | mm/native |\n",
+        );
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        for r in rows {
+            let (ns, nr) = cells(r.native);
+            let (ms, mr) = cells(r.mm);
+            let n_rows = r.native.or(r.mm).map_or(0, |m| m.rows);
+            let ratio = r.ratio().map_or("-".to_owned(), |x| format!("{x:.2}"));
+            s.push_str(&format!(
+                "| {} | {n_rows} | {ns} | {nr} | {ms} | {mr} | {ratio} |\n",
+                r.name
+            ));
+        }
+        s.push_str(
+            "\n(s = from the start of the workload on node A until node B has every row; \
+             publisher-side times are in the log above)\n",
+        );
+    }
+    if !tpcb.is_empty() {
+        s.push_str(&format!(
+            "\nBidirectional TPC-B-like, {} s, pgbench -c {} -R <rate> on each node, disjoint keys; \
+             lag of a heartbeat written every {} ms, sampled every {} ms (jittered ±50%), both directions pooled:\n\n",
+            args.tpcb_seconds,
+            args.tpcb_clients,
+            args.heartbeat_ms,
+            args.sample_ms
+        ));
+        s.push_str("| system | rate/node | tps A+B | staleness p50 / p95 / p99 / max ms | delivery p50 / p95 / p99 ms | idle staleness p50 ms | drain s |\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        for (label, rate, t) in tpcb {
+            let st = lag(&t.load.staleness);
+            let d = lag(&t.load.delivery);
+            let idle = lag(&t.idle.staleness);
+            s.push_str(&format!(
+                "| {label} | {rate} | {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.2} |\n",
+                t.tps[0] + t.tps[1],
+                st.p50,
+                st.p95,
+                st.p99,
+                st.max,
+                d.p50,
+                d.p95,
+                d.p99,
+                idle.p50,
+                t.drain.as_secs_f64()
+            ));
+        }
+        s.push_str(
+            "\n(staleness = subscriber clock minus the newest heartbeat it holds, at each sample: \
+             includes 0..1 heartbeat period; delivery = age of each heartbeat when first seen: \
+             includes 0..1 sampling period)\n",
+        );
+    }
+    s
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| {
+            let f: Vec<&str> = l.split_whitespace().take(3).collect();
+            (f.len() == 3).then(|| f.join(" "))
+        })
+        .unwrap_or_else(|| "?".to_owned())
+}
+
+async fn run(args: Args) -> Result<()> {
+    let bin = mm_tests::pg_bin_dir()?;
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "mm-bench: {}; {} cores, load {}; {} build; agent {}; agent MM_LOG={}",
+        mm_tests::postgres_version(&bin)?,
+        cores,
+        loadavg(),
+        if cfg!(debug_assertions) {
+            "DEBUG"
+        } else {
+            "release"
+        },
+        mm_tests::agent::agent_bin()?.display(),
+        args.agent_log
+    );
+    println!(
+        "rows {} clients {} synchronous_commit {} | tpc-b {} s, rate {:?}/s/node, {} clients/node, {} accounts/node{}",
+        args.rows,
+        args.clients,
+        if args.sync_commit { "on" } else { "off" },
+        args.tpcb_seconds,
+        args.tpcb_rates,
+        args.tpcb_clients,
+        args.accounts,
+        if args.quick { " | QUICK" } else { "" }
+    );
+    let workdir = tempfile::tempdir()?;
+
+    // Both systems stay up for the whole run so each workload runs on one and
+    // then the other minutes apart: the ratio sees the same machine weather.
+    let t = std::time::Instant::now();
+    let mut systems = Vec::new();
+    if args.systems.contains(&Kind::Native) {
+        systems.push(System::native(["na", "nb"]).await.context("native setup")?);
+    }
+    if args.systems.contains(&Kind::Mm) {
+        systems.push(
+            System::mm(["b1", "b2"], &args.agent_log)
+                .await
+                .context("mm setup")?,
+        );
+    }
+    println!("setup {:.1} s", t.elapsed().as_secs_f64());
+
+    let driver = bench::Driver {
+        clients: args.clients,
+        sync_commit: args.sync_commit,
+    };
+    let mut rows: Vec<Row> = Vec::new();
+    let mut tpcb: Vec<(String, u64, TpcbResult)> = Vec::new();
+    for w in args.only.clone() {
+        if w == 4 {
+            for &rate in &args.tpcb_rates {
+                println!("4. TPC-B-like on both nodes at {rate} tps/node, lag");
+                let cfg = TpcbConfig {
+                    accounts: args.accounts,
+                    seconds: args.tpcb_seconds,
+                    rate,
+                    clients: args.tpcb_clients,
+                    heartbeat: Duration::from_millis(args.heartbeat_ms),
+                    sample: Duration::from_millis(args.sample_ms),
+                    idle: Duration::from_secs(args.idle_seconds),
+                };
+                for sys in &systems {
+                    let r = bench::tpcb_both_ways(sys, &cfg, workdir.path()).await?;
+                    print_tpcb(sys.label(), &r);
+                    tpcb.push((sys.label().to_owned(), rate, r));
+                }
+            }
+            continue;
+        }
+        let name = match w {
+            1 => format!("1. single-row INSERT txns ({} clients)", args.clients),
+            2 => "2. one INSERT txn".to_owned(),
+            3 => format!("3. single-row UPDATE txns ({} clients)", args.clients),
+            other => bail!("no workload {other}"),
+        };
+        println!("{name}");
+        let mut row = Row {
+            name,
+            native: None,
+            mm: None,
+        };
+        for sys in &systems {
+            let m = match w {
+                1 => bench::single_row_inserts(sys, args.rows, driver).await?,
+                2 => bench::one_big_insert(sys, args.rows).await?,
+                _ => bench::single_row_updates(sys, args.rows, driver).await?,
+            };
+            print_measured(sys.label(), &m);
+            match sys.kind {
+                Kind::Native => row.native = Some(m),
+                Kind::Mm => row.mm = Some(m),
+            }
+        }
+        if let Some(r) = row.ratio() {
+            println!("  mm/native {r:.2}");
+        }
+        rows.push(row);
+    }
+    println!("\n{}", markdown(&args, &rows, &tpcb));
+    println!("load at end {}", loadavg());
+    // Agents before servers (System's field order), mm before native.
+    while let Some(sys) = systems.pop() {
+        drop(sys);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(Some(a)) => a,
+        Ok(None) => return ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mm-bench: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mm-bench: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mm-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
