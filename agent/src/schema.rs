@@ -24,6 +24,23 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_pos
                origin text PRIMARY KEY,
                remote_lsn pg_lsn NOT NULL,
                remote_commit_ts timestamptz);
+             -- Records an applied transaction's progress, only on top of the
+             -- previous one's (so a transaction pipelined behind a failed one
+             -- fails too), and gives the commit the remote commit timestamp
+             -- through the session's replication origin. The origin's own LSN
+             -- stays invalid: PostgreSQL would advance it even on abort.
+             CREATE OR REPLACE FUNCTION mm.advance_progress(
+                 p_origin text, p_prev pg_lsn, p_new pg_lsn, p_ts timestamptz)
+             RETURNS void LANGUAGE plpgsql AS $fn$
+             BEGIN
+               PERFORM pg_catalog.pg_replication_origin_xact_setup('0/0', p_ts);
+               UPDATE mm.apply_progress SET remote_lsn = p_new, remote_commit_ts = p_ts
+                WHERE origin = p_origin AND remote_lsn = p_prev;
+               IF NOT FOUND THEN
+                 RAISE EXCEPTION 'mm: apply progress of % is not at % (the transaction before this one did not commit)', p_origin, p_prev;
+               END IF;
+             END
+             $fn$;
              CREATE TABLE IF NOT EXISTS mm.paused_streams (
                from_node text NOT NULL,
                to_node text NOT NULL,

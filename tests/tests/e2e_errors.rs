@@ -190,12 +190,28 @@ async fn unique_violation_stops_the_stream_until_fixed_nothing_skipped() -> Resu
              INSERT INTO kv VALUES (7, 'only on u2');",
         )
         .await?;
-    c.pg[0]
-        .execute("INSERT INTO kv VALUES (7, 'from u1')")
-        .await?;
+    // The failing transaction, and two more right behind it that the agent
+    // pipelines before it learns of the failure: they must not commit ahead
+    // of it (commit order), or the failed one would be skipped on restart.
+    let writer = c.pg[0].connect().await?;
+    for sql in [
+        "INSERT INTO kv VALUES (7, 'from u1')",
+        "INSERT INTO kv VALUES (9, 'after 7')",
+        "INSERT INTO kv VALUES (10, 'after 9')",
+    ] {
+        writer.batch_execute(sql).await?;
+    }
     let err = wait_error(&c, "u1", "u2", "23505").await?;
     assert!(err.contains("public.kv"), "{err}");
     assert!(err.contains("u1"), "{err}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        c.rows(1, "SELECT count(*) FROM kv WHERE id IN (9, 10)")
+            .await?[0][0]
+            .as_deref(),
+        Some("0"),
+        "transactions after the failed one were applied ahead of it"
+    );
     // The other direction still flows.
     c.pg[1]
         .execute("INSERT INTO kv VALUES (8, 'from u2')")

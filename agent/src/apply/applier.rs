@@ -11,7 +11,7 @@ use mm_proto::pgoutput::{
 };
 use tokio_postgres::{Client, Statement};
 
-use super::pipeline::{OpKind, OpMeta, Pipeline};
+use super::pipeline::{Done, OpKind, OpMeta, Pipeline};
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
 use super::{ApplyFailure, Param};
@@ -24,16 +24,9 @@ const PIPELINE_WINDOW: usize = 2048;
 pub struct TxnMeta {
     pub xid: u32,
     pub commit_lsn: Lsn,
-    /// Stored as the origin's progress: START_REPLICATION resumes from it.
+    /// Stored as the applied progress: START_REPLICATION resumes from it.
     pub end_lsn: Lsn,
     pub commit_ts: PgTimestamp,
-}
-
-#[derive(Debug, Default)]
-pub struct TxnOutcome {
-    pub rows: u64,
-    /// Changes whose target row was not found: (conflict type, relation).
-    pub missing: Vec<(&'static str, Arc<str>)>,
 }
 
 /// Where a transaction's messages come from: memory for ordinary transactions,
@@ -53,8 +46,13 @@ pub struct Applier {
     origin: String,
     relations: HashMap<u32, LocalRelation>,
     begin: Statement,
-    save_progress: Statement,
+    advance: Statement,
     commit: Statement,
+    /// Statements sent and not yet answered, across transactions.
+    pipe: Option<Pipeline>,
+    /// The progress the next queued transaction expects to find stored:
+    /// the end of the transaction queued before it.
+    next_expected: Lsn,
     wal_positions: Statement,
     /// End LSN of the last remote transaction committed here.
     last_applied: Lsn,
@@ -149,15 +147,11 @@ impl Applier {
         let start = parse_lsn(row.get(0), "stored apply progress")?;
         let begin = client.prepare("BEGIN").await.map_err(pg)?;
         let commit = client.prepare("COMMIT").await.map_err(pg)?;
-        // One statement records progress and gives the commit the remote
-        // commit timestamp. The origin LSN argument stays invalid on purpose
-        // (module docs); with it invalid, the call may come last.
-        let save_progress = client
-            .prepare(
-                "WITH ts AS (SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $2)) \
-                 UPDATE mm.apply_progress SET remote_lsn = $1, remote_commit_ts = $2 \
-                 FROM ts WHERE origin = $3",
-            )
+        // One statement records progress (only if the previous transaction's
+        // is in place: see pipeline.rs) and gives the commit the remote commit
+        // timestamp through the origin (schema.rs).
+        let advance = client
+            .prepare("SELECT mm.advance_progress($1, $2, $3, $4)")
             .await
             .map_err(pg)?;
         let wal_positions = client
@@ -166,12 +160,15 @@ impl Applier {
             )
             .await
             .map_err(pg)?;
+        let client = Arc::new(client);
         let mut applier = Applier {
-            client: Arc::new(client),
+            pipe: Some(Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW)),
+            next_expected: start,
+            client,
             origin: origin.to_owned(),
             relations: HashMap::new(),
             begin,
-            save_progress,
+            advance,
             commit,
             wal_positions,
             last_applied: start,
@@ -190,6 +187,7 @@ impl Applier {
     /// waiting for the flush position to pass it is the same rule as
     /// PostgreSQL's own get_flush_position, at the granularity of our ticks.
     pub async fn durable_progress(&mut self) -> Result<Lsn, ApplyFailure> {
+        self.settle(0).await?;
         let row = self
             .client
             .query_one(&self.wal_positions, &[])
@@ -224,18 +222,39 @@ impl Applier {
         Ok(())
     }
 
-    /// Applies one remote transaction as one local transaction.
+    /// Queues one remote transaction as one local transaction. It is sent
+    /// but not necessarily committed when this returns: finished
+    /// transactions come out of `take_done`, failures out of this call or of
+    /// `settle` (carrying the failed transaction).
     pub async fn apply(
         &mut self,
         meta: &TxnMeta,
         src: &mut dyn ChangeSource,
-    ) -> Result<TxnOutcome, ApplyFailure> {
-        let mut pipe = Pipeline::new(Arc::clone(&self.client), PIPELINE_WINDOW);
-        let control = || OpMeta {
-            kind: OpKind::Control,
+    ) -> Result<(), ApplyFailure> {
+        let mut pipe = self.take_pipe()?;
+        let r = self.queue(&mut pipe, meta, src).await;
+        self.pipe = Some(pipe);
+        r.map_err(|mut f| {
+            f.txn.get_or_insert(*meta);
+            f
+        })?;
+        self.next_expected = meta.end_lsn;
+        Ok(())
+    }
+
+    async fn queue(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+        src: &mut dyn ChangeSource,
+    ) -> Result<(), ApplyFailure> {
+        let txn = *meta;
+        let control = |kind| OpMeta {
+            kind,
             relation: None,
+            txn,
         };
-        pipe.push(&self.begin.clone(), Vec::new(), control())
+        pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
         while let Some(msg) = src.next_message()? {
             match msg {
@@ -245,10 +264,10 @@ impl Applier {
                     pipe.settle(0).await?;
                     self.relation(r).await?;
                 }
-                Message::Insert(i) => self.insert(&mut pipe, i).await?,
-                Message::Update(u) => self.update(&mut pipe, u).await?,
-                Message::Delete(d) => self.delete(&mut pipe, d).await?,
-                Message::Truncate(t) => self.truncate(&mut pipe, t).await?,
+                Message::Insert(i) => self.insert(pipe, txn, i).await?,
+                Message::Update(u) => self.update(pipe, txn, u).await?,
+                Message::Delete(d) => self.delete(pipe, txn, d).await?,
+                Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
                 // Types are described for binary mode; we bind text. Logical
                 // messages and origins carry nothing to apply here.
                 Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
@@ -261,23 +280,64 @@ impl Applier {
             }
         }
         pipe.push(
-            &self.save_progress.clone(),
+            &self.advance.clone(),
             vec![
+                Param::text(self.origin.clone()),
+                Param::text(self.next_expected.to_string()),
                 Param::text(meta.end_lsn.to_string()),
                 Param::text(meta.commit_ts.to_string()),
-                Param::text(self.origin.clone()),
             ],
-            control(),
+            control(OpKind::Control),
         )
         .await?;
-        pipe.push(&self.commit.clone(), Vec::new(), control())
-            .await?;
-        pipe.settle(0).await?;
-        self.last_applied = self.last_applied.max(meta.end_lsn);
-        Ok(TxnOutcome {
-            rows: pipe.settled.rows,
-            missing: std::mem::take(&mut pipe.settled.missing),
+        pipe.push(&self.commit.clone(), Vec::new(), control(OpKind::Commit))
+            .await
+    }
+
+    fn take_pipe(&mut self) -> Result<Pipeline, ApplyFailure> {
+        self.pipe.take().ok_or_else(|| {
+            ApplyFailure::new(None, "apply session unusable after an earlier failure")
         })
+    }
+
+    /// Waits until at most `keep` statements are in flight. Cancel-safe (the
+    /// stream's select loop drops it when a message arrives first): the
+    /// pipeline is borrowed in place, never taken out.
+    pub async fn settle(&mut self, keep: usize) -> Result<(), ApplyFailure> {
+        let Some(pipe) = self.pipe.as_mut() else {
+            return Err(ApplyFailure::new(
+                None,
+                "apply session unusable after an earlier failure",
+            ));
+        };
+        let r = pipe.settle(keep).await;
+        if let Some(d) = pipe.done.back() {
+            self.last_applied = self.last_applied.max(d.meta.end_lsn);
+        }
+        r
+    }
+
+    /// Waits for the next reply (for an idle stream: keeps results flowing).
+    pub async fn settle_next(&mut self) -> Result<(), ApplyFailure> {
+        let keep = self.in_flight().saturating_sub(1);
+        self.settle(keep).await
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.pipe.as_ref().map_or(0, Pipeline::in_flight)
+    }
+
+    /// Transactions committed since the last call, in commit order.
+    pub fn take_done(&mut self) -> Vec<Done> {
+        let done: Vec<Done> = self
+            .pipe
+            .as_mut()
+            .map(|p| p.done.drain(..).collect())
+            .unwrap_or_default();
+        if let Some(d) = done.last() {
+            self.last_applied = self.last_applied.max(d.meta.end_lsn);
+        }
+        done
     }
 
     fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {
@@ -298,14 +358,25 @@ impl Applier {
         })
     }
 
-    async fn prepare(&self, display: &str, text: &str) -> Result<Statement, ApplyFailure> {
-        self.client
+    /// Takes the client, not `&self`: the pipeline's futures make `Applier`
+    /// non-`Sync`, so `&Applier` must not be held across an await.
+    async fn prepare(
+        client: &Client,
+        display: &str,
+        text: &str,
+    ) -> Result<Statement, ApplyFailure> {
+        client
             .prepare(text)
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(display), &e))
     }
 
-    async fn insert(&mut self, pipe: &mut Pipeline, ins: Insert) -> Result<(), ApplyFailure> {
+    async fn insert(
+        &mut self,
+        pipe: &mut Pipeline,
+        txn: TxnMeta,
+        ins: Insert,
+    ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
         let params = tuple_params(&ins.new, rel, None)?;
         let display: Arc<str> = Arc::from(rel.display.as_str());
@@ -315,7 +386,7 @@ impl Applier {
                 pipe.settle(0).await?;
                 let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
                 let text = sql::insert(&rel.table_sql, &cols);
-                let s = self.prepare(&display, &text).await?;
+                let s = Self::prepare(&self.client, &display, &text).await?;
                 self.rel_mut(ins.relation_oid)?.insert = Some(s.clone());
                 s
             }
@@ -326,12 +397,18 @@ impl Applier {
             OpMeta {
                 kind: OpKind::Insert,
                 relation: Some(display),
+                txn,
             },
         )
         .await
     }
 
-    async fn update(&mut self, pipe: &mut Pipeline, upd: Update) -> Result<(), ApplyFailure> {
+    async fn update(
+        &mut self,
+        pipe: &mut Pipeline,
+        txn: TxnMeta,
+        upd: Update,
+    ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
         let display: Arc<str> = Arc::from(rel.display.as_str());
         let set_mask: Vec<bool> = upd
@@ -359,7 +436,7 @@ impl Applier {
                     .map(|(n, _)| n.as_str())
                     .collect();
                 let text = sql::update(&rel.table_sql, &set_cols, &masked_locator(rel, &key.1));
-                let s = self.prepare(&display, &text).await?;
+                let s = Self::prepare(&self.client, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
                     .update
                     .insert(key, s.clone());
@@ -372,12 +449,18 @@ impl Applier {
             OpMeta {
                 kind: OpKind::Update,
                 relation: Some(display),
+                txn,
             },
         )
         .await
     }
 
-    async fn delete(&mut self, pipe: &mut Pipeline, del: Delete) -> Result<(), ApplyFailure> {
+    async fn delete(
+        &mut self,
+        pipe: &mut Pipeline,
+        txn: TxnMeta,
+        del: Delete,
+    ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
         let display: Arc<str> = Arc::from(rel.display.as_str());
         let (match_mask, params) = locate(rel, Some(&del.old), None)?;
@@ -386,7 +469,7 @@ impl Applier {
             None => {
                 pipe.settle(0).await?;
                 let text = sql::delete(&rel.table_sql, &masked_locator(rel, &match_mask));
-                let s = self.prepare(&display, &text).await?;
+                let s = Self::prepare(&self.client, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?
                     .delete
                     .insert(match_mask, s.clone());
@@ -399,12 +482,18 @@ impl Applier {
             OpMeta {
                 kind: OpKind::Delete,
                 relation: Some(display),
+                txn,
             },
         )
         .await
     }
 
-    async fn truncate(&mut self, pipe: &mut Pipeline, t: Truncate) -> Result<(), ApplyFailure> {
+    async fn truncate(
+        &mut self,
+        pipe: &mut Pipeline,
+        txn: TxnMeta,
+        t: Truncate,
+    ) -> Result<(), ApplyFailure> {
         let mut tables = Vec::with_capacity(t.relation_oids.len());
         for oid in &t.relation_oids {
             tables.push(self.rel(*oid)?.table_sql.clone());
@@ -412,13 +501,14 @@ impl Applier {
         let display: Arc<str> = Arc::from(tables.join(", ").as_str());
         pipe.settle(0).await?;
         let text = sql::truncate(&tables, t.cascade, t.restart_identity);
-        let stmt = self.prepare(&display, &text).await?;
+        let stmt = Self::prepare(&self.client, &display, &text).await?;
         pipe.push(
             &stmt,
             Vec::new(),
             OpMeta {
                 kind: OpKind::Truncate,
                 relation: Some(display),
+                txn,
             },
         )
         .await

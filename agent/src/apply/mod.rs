@@ -25,8 +25,9 @@ mod pipeline;
 mod relation;
 pub mod sql;
 
-pub use applier::{Applier, ChangeSource, TxnMeta, TxnOutcome};
+pub use applier::{Applier, ChangeSource, TxnMeta};
 pub use param::Param;
+pub use pipeline::Done;
 
 /// Why a change could not be applied. The stream adds peer and LSN.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -35,6 +36,9 @@ pub struct ApplyFailure {
     pub relation: Option<String>,
     pub sqlstate: Option<String>,
     pub message: String,
+    /// The remote transaction that failed, when known here: with pipelining
+    /// it may be an earlier one than the transaction being queued.
+    pub txn: Option<TxnMeta>,
 }
 
 impl ApplyFailure {
@@ -43,6 +47,7 @@ impl ApplyFailure {
             relation: relation.map(str::to_owned),
             sqlstate: None,
             message: message.into(),
+            txn: None,
         }
     }
 
@@ -55,11 +60,13 @@ impl ApplyFailure {
                     Some(d) => format!("{}: {}", db.message(), d),
                     None => db.message().to_owned(),
                 },
+                txn: None,
             },
             None => ApplyFailure {
                 relation: relation.map(str::to_owned),
                 sqlstate: None,
                 message: format!("local PostgreSQL: {e}"),
+                txn: None,
             },
         }
     }

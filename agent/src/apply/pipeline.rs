@@ -1,10 +1,19 @@
-//! Pipelined execution of one transaction's statements on one session.
+//! Pipelined execution of statements on the apply session, across
+//! transactions.
 //!
 //! Every statement is sent as soon as it is queued (without waiting for the
-//! previous reply), and replies are consumed in order. A single-row transaction
-//! thus costs one network round trip; a large one streams. The in-flight window
-//! bounds memory.
+//! previous reply) and replies are consumed in order, so neither a round trip
+//! per statement nor one per transaction limits throughput. The in-flight
+//! window bounds memory.
+//!
+//! Invariant (commit order, nothing skipped): transactions are still applied
+//! one after another on one session, in the publisher's commit order. If one
+//! fails, the ones queued behind it must not commit: each transaction's
+//! progress update (`mm.advance_progress`) only succeeds when the stored
+//! progress is exactly the previous transaction's end, so a transaction whose
+//! predecessor rolled back fails too, and the first failure is reported.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -14,7 +23,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
 use tokio_postgres::{Client, Statement};
 
-use super::{ApplyFailure, Param};
+use super::{ApplyFailure, Param, TxnMeta};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
@@ -23,19 +32,23 @@ pub enum OpKind {
     Update,
     Delete,
     Truncate,
+    /// The transaction's COMMIT: when it succeeds, the transaction is done.
+    Commit,
 }
 
 #[derive(Debug, Clone)]
 pub struct OpMeta {
     pub kind: OpKind,
     pub relation: Option<Arc<str>>,
+    pub txn: TxnMeta,
 }
 
 type OpFuture = Pin<Box<dyn Future<Output = (OpMeta, Result<u64, tokio_postgres::Error>)> + Send>>;
 
-/// Result counters of the settled statements.
-#[derive(Debug, Default)]
-pub struct Settled {
+/// A remote transaction whose local commit succeeded.
+#[derive(Debug)]
+pub struct Done {
+    pub meta: TxnMeta,
     pub rows: u64,
     /// (conflict type, relation) for UPDATE/DELETE that found no row.
     pub missing: Vec<(&'static str, Arc<str>)>,
@@ -45,7 +58,9 @@ pub struct Pipeline {
     client: Arc<Client>,
     inflight: FuturesOrdered<OpFuture>,
     window: usize,
-    pub settled: Settled,
+    rows: u64,
+    missing: Vec<(&'static str, Arc<str>)>,
+    pub done: VecDeque<Done>,
 }
 
 impl Pipeline {
@@ -54,7 +69,9 @@ impl Pipeline {
             client,
             inflight: FuturesOrdered::new(),
             window,
-            settled: Settled::default(),
+            rows: 0,
+            missing: Vec::new(),
+            done: VecDeque::new(),
         }
     }
 
@@ -91,33 +108,46 @@ impl Pipeline {
     }
 
     /// Waits until at most `keep` statements are in flight. The first failure
-    /// is returned; later statements of the (now aborted) transaction are not
-    /// waited for, as the session is discarded after a failure.
+    /// is returned with the transaction it belongs to; the session is
+    /// discarded after a failure, so later replies are not waited for.
     pub async fn settle(&mut self, keep: usize) -> Result<(), ApplyFailure> {
         while self.inflight.len() > keep {
             let Some((meta, res)) = self.inflight.next().await else {
                 break;
             };
             match res {
-                Ok(n) => {
-                    self.settled.rows += match meta.kind {
-                        OpKind::Insert | OpKind::Update | OpKind::Delete => n,
-                        _ => 0,
-                    };
-                    if n == 0 {
-                        let ty = match meta.kind {
-                            OpKind::Update => Some("update_missing"),
-                            OpKind::Delete => Some("delete_missing"),
-                            _ => None,
-                        };
-                        if let (Some(ty), Some(rel)) = (ty, meta.relation.clone()) {
-                            self.settled.missing.push((ty, rel));
+                Ok(n) => match meta.kind {
+                    OpKind::Insert | OpKind::Update | OpKind::Delete => {
+                        self.rows += n;
+                        if n == 0 && meta.kind != OpKind::Insert {
+                            let ty = if meta.kind == OpKind::Update {
+                                "update_missing"
+                            } else {
+                                "delete_missing"
+                            };
+                            if let Some(rel) = meta.relation.clone() {
+                                self.missing.push((ty, rel));
+                            }
                         }
                     }
+                    OpKind::Commit => self.done.push_back(Done {
+                        meta: meta.txn,
+                        rows: std::mem::take(&mut self.rows),
+                        missing: std::mem::take(&mut self.missing),
+                    }),
+                    OpKind::Control | OpKind::Truncate => {}
+                },
+                Err(e) => {
+                    let mut f = ApplyFailure::from_pg(meta.relation.as_deref(), &e);
+                    f.txn = Some(meta.txn);
+                    return Err(f);
                 }
-                Err(e) => return Err(ApplyFailure::from_pg(meta.relation.as_deref(), &e)),
             }
         }
         Ok(())
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
     }
 }

@@ -41,11 +41,7 @@ impl LocalRelation {
     /// what is missing; the caller adds peer and LSN.
     pub async fn resolve(client: &Client, remote: Relation) -> Result<Self, ApplyFailure> {
         let display = format!("{}.{}", remote.namespace, remote.name);
-        let fail = |message: String| ApplyFailure {
-            relation: Some(display.clone()),
-            sqlstate: None,
-            message,
-        };
+        let fail = |message: String| ApplyFailure::new(Some(&display), message);
         let rows = client
             .query(
                 "SELECT c.oid, c.relreplident::text FROM pg_catalog.pg_class c \

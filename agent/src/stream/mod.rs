@@ -26,7 +26,7 @@ use mm_proto::pgoutput::{Begin, Message, StreamTracker};
 use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::apply::{Applier, ApplyFailure, TxnMeta, TxnOutcome};
+use crate::apply::{Applier, ApplyFailure, Done, TxnMeta};
 use crate::status::StatusRegistry;
 use spool::Spool;
 
@@ -179,9 +179,17 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     loop {
         let msg = tokio::select! {
             m = stream.next() => m,
+            // Replies of pipelined transactions, consumed as they come so
+            // status and wait-sync see commits promptly.
+            r = applier.settle_next(), if applier.in_flight() > 0 => {
+                r.map_err(|f| apply_err(&pname, None, f))?;
+                finished(&mut applier, status, &pname, &mut progress);
+                continue;
+            }
             _ = ticker.tick() => {
                 let idle = current.is_none();
                 send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
+                finished(&mut applier, status, &pname, &mut progress);
                 publish(status, &peer.name, &progress, current.is_none());
                 continue;
             }
@@ -199,8 +207,8 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             } => {
                 progress.received = progress.received.max(wal_end);
                 // Every transaction sent before this keepalive has been
-                // received and, when none is open, applied.
-                if current.is_none() {
+                // received and, when none is open or unanswered, applied.
+                if current.is_none() && applier.in_flight() == 0 {
                     progress.processed = progress.processed.max(wal_end);
                 }
                 if reply_requested {
@@ -254,8 +262,8 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             commit_ts: c.commit_timestamp,
                         };
                         let mut src = msgs.into_iter();
-                        let out = apply_one(&mut applier, &pname, &meta, &mut src).await?;
-                        committed(status, &pname, &mut progress, &meta, &out);
+                        apply_one(&mut applier, &pname, &meta, &mut src).await?;
+                        finished(&mut applier, status, &pname, &mut progress);
                     }
                     Message::StreamStart(s) => {
                         if s.first_segment {
@@ -278,7 +286,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             peer: pname.clone(),
                             source,
                         })?;
-                        let out = match reader {
+                        match reader {
                             // Spool reads are buffered (1 MiB) sequential file
                             // reads, mostly from the page cache.
                             Some(mut r) => apply_one(&mut applier, &pname, &meta, &mut r).await?,
@@ -286,8 +294,8 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                                 let mut empty = Vec::new().into_iter();
                                 apply_one(&mut applier, &pname, &meta, &mut empty).await?
                             }
-                        };
-                        committed(status, &pname, &mut progress, &meta, &out);
+                        }
+                        finished(&mut applier, status, &pname, &mut progress);
                     }
                     Message::StreamAbort(a) => {
                         spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
@@ -369,36 +377,45 @@ fn spool_append(
     Ok(())
 }
 
+/// The stream error for a failed transaction: the failure names the
+/// transaction when pipelining had already moved past it.
+fn apply_err(peer: &str, queued: Option<&TxnMeta>, failure: ApplyFailure) -> StreamError {
+    let txn = failure.txn.or(queued.copied());
+    StreamError::Apply {
+        peer: peer.to_owned(),
+        xid: txn.map_or(0, |t| t.xid),
+        lsn: txn.map_or(Lsn::INVALID, |t| t.commit_lsn),
+        failure,
+    }
+}
+
 async fn apply_one(
     applier: &mut Applier,
     peer: &str,
     meta: &TxnMeta,
     src: &mut dyn crate::apply::ChangeSource,
-) -> Result<TxnOutcome, StreamError> {
+) -> Result<(), StreamError> {
     let span = tracing::debug_span!("txn", xid = meta.xid, lsn = %meta.commit_lsn);
     debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, end_lsn = %meta.end_lsn, "applying");
     applier
         .apply(meta, src)
         .instrument(span)
         .await
-        .map_err(|failure| StreamError::Apply {
-            peer: peer.to_owned(),
-            xid: meta.xid,
-            lsn: meta.commit_lsn,
-            failure,
-        })
+        .map_err(|f| apply_err(peer, Some(meta), f))
 }
 
-fn committed(
-    status: &StatusRegistry,
-    peer: &str,
-    progress: &mut Progress,
-    meta: &TxnMeta,
-    out: &TxnOutcome,
-) {
+/// Accounts for every transaction whose local commit has been confirmed.
+fn finished(applier: &mut Applier, status: &StatusRegistry, peer: &str, progress: &mut Progress) {
+    for done in applier.take_done() {
+        committed(status, peer, progress, &done);
+    }
+}
+
+fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done: &Done) {
+    let meta = &done.meta;
     progress.applied = progress.applied.max(meta.end_lsn);
     progress.processed = progress.processed.max(meta.end_lsn);
-    for (ty, rel) in &out.missing {
+    for (ty, rel) in &done.missing {
         // Counted and logged like PostgreSQL does; the conflicts work
         // decides these properly.
         warn!(conflict = ty, relation = %rel, lsn = %meta.commit_lsn, "row to change not found");
@@ -409,16 +426,16 @@ fn committed(
         .map(|t| (chrono::Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0);
     status.update(peer, |s| {
         s.applied_txns += 1;
-        s.applied_rows += out.rows;
+        s.applied_rows += done.rows;
         s.applied_lsn = Some(progress.applied);
         s.processed_lsn = Some(progress.processed);
         s.received_lsn = Some(progress.received);
         s.lag_seconds = lag;
-        for (ty, _) in &out.missing {
+        for (ty, _) in &done.missing {
             *s.conflicts.entry((*ty).to_owned()).or_default() += 1;
         }
     });
-    debug!(rows = out.rows, end = %meta.end_lsn, "applied");
+    debug!(rows = done.rows, end = %meta.end_lsn, "applied");
 }
 
 fn publish(status: &StatusRegistry, peer: &str, p: &Progress, idle: bool) {
