@@ -62,10 +62,13 @@ pub enum StreamError {
         peer: String,
         xid: u32,
         lsn: Lsn,
-        failure: ApplyFailure,
+        failure: Box<ApplyFailure>,
     },
     #[error("stream from {peer}: local node: {failure}")]
-    Local { peer: String, failure: ApplyFailure },
+    Local {
+        peer: String,
+        failure: Box<ApplyFailure>,
+    },
     #[error("stream from {peer}: replication connection: {source}")]
     Replication {
         peer: String,
@@ -108,7 +111,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     let pname = peer.name.clone();
     let local_err = |failure| StreamError::Local {
         peer: pname.clone(),
-        failure,
+        failure: Box::new(failure),
     };
     let repl_err = |source| StreamError::Replication {
         peer: pname.clone(),
@@ -318,7 +321,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                                 peer: pname.clone(),
                                 xid,
                                 lsn: wal_start,
-                                failure,
+                                failure: Box::new(failure),
                             })?;
                     }
                     other if stream_xid.is_some() => {
@@ -385,7 +388,7 @@ fn apply_err(peer: &str, queued: Option<&TxnMeta>, failure: ApplyFailure) -> Str
         peer: peer.to_owned(),
         xid: txn.map_or(0, |t| t.xid),
         lsn: txn.map_or(Lsn::INVALID, |t| t.commit_lsn),
-        failure,
+        failure: Box::new(failure),
     }
 }
 
@@ -467,7 +470,7 @@ async fn send_feedback(
         .await
         .map_err(|failure| StreamError::Local {
             peer: peer.clone(),
-            failure,
+            failure: Box::new(failure),
         })?;
     let flush = if idle && durable >= p.applied {
         durable.max(p.processed)
