@@ -15,6 +15,17 @@ use crate::stream::LocalNode;
 
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     let name = cfg.node.name.clone();
+    // Refuse rather than silently serve plain HTTP when TLS was asked for.
+    if cfg.api.tls_cert.is_some() || cfg.api.tls_ca.is_some() {
+        anyhow::bail!(
+            "node {name}: api.tls_cert / api.tls_ca are not supported by this version: the API serves plain HTTP; terminate TLS in front of it or remove the keys"
+        );
+    }
+    if cfg.conflicts.resolver != "last_writer_wins" || !cfg.conflicts.tables.is_empty() {
+        tracing::warn!(
+            "[conflicts] settings are accepted but not applied yet: this version stops a stream on an insert of an existing key and counts updates/deletes of missing rows"
+        );
+    }
     let token: Arc<str> = Arc::from(cfg.token().context("reading api.token_file")?.as_str());
     let password = cfg.password().context("reading postgres.password_file")?;
     let schemas = cfg.replication.schemas.clone();
