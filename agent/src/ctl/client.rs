@@ -118,18 +118,9 @@ fn join_url(base: &str, path: &str) -> String {
     format!("{}{path}", base.trim_end_matches('/'))
 }
 
-/// The innermost cause: reqwest's own Display stops at "error sending request".
+/// The innermost cause, on one line (see `join::describe_reqwest`).
 fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        return "timed out".into();
-    }
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        msg = s.to_string();
-        src = s.source();
-    }
-    one_line(&msg)
+    one_line(&crate::join::describe_reqwest(e))
 }
 
 pub fn one_line(s: &str) -> String {
