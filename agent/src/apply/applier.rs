@@ -18,6 +18,10 @@ use super::{ApplyFailure, Param};
 
 /// Statements in flight per transaction before we wait for replies.
 const PIPELINE_WINDOW: usize = 2048;
+/// Rows per multi-row INSERT for runs of inserts into one table.
+const INSERT_BATCH: usize = 100;
+/// PostgreSQL's limit on bind parameters per statement.
+const MAX_PARAMS: usize = 65535;
 
 /// Identity of the remote transaction being applied.
 #[derive(Debug, Clone, Copy)]
@@ -256,7 +260,8 @@ impl Applier {
         };
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
-        while let Some(msg) = src.next_message()? {
+        let mut next = src.next_message()?;
+        while let Some(msg) = next.take() {
             match msg {
                 Message::Relation(r) => {
                     // Catalog lookups need replies before we can go on; they
@@ -264,7 +269,27 @@ impl Applier {
                     pipe.settle(0).await?;
                     self.relation(r).await?;
                 }
-                Message::Insert(i) => self.insert(pipe, txn, i).await?,
+                Message::Insert(i) => {
+                    // Consecutive inserts into one table go out as multi-row
+                    // INSERTs: one protocol round per batch instead of per row.
+                    let oid = i.relation_oid;
+                    let mut batch = vec![i];
+                    loop {
+                        match src.next_message()? {
+                            Some(Message::Insert(j))
+                                if j.relation_oid == oid && batch.len() < INSERT_BATCH =>
+                            {
+                                batch.push(j)
+                            }
+                            other => {
+                                next = other;
+                                break;
+                            }
+                        }
+                    }
+                    self.insert_batch(pipe, txn, oid, batch).await?;
+                    continue;
+                }
                 Message::Update(u) => self.update(pipe, txn, u).await?,
                 Message::Delete(d) => self.delete(pipe, txn, d).await?,
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
@@ -278,6 +303,7 @@ impl Applier {
                     ));
                 }
             }
+            next = src.next_message()?;
         }
         pipe.push(
             &self.advance.clone(),
@@ -369,6 +395,52 @@ impl Applier {
             .prepare(text)
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(display), &e))
+    }
+
+    /// Inserts rows of one relation: full batches as one multi-row INSERT
+    /// (a single statement per batch size keeps the cache small), the rest
+    /// row by row.
+    async fn insert_batch(
+        &mut self,
+        pipe: &mut Pipeline,
+        txn: TxnMeta,
+        oid: u32,
+        rows: Vec<Insert>,
+    ) -> Result<(), ApplyFailure> {
+        let width = self.rel(oid)?.local_names.len();
+        if rows.len() < INSERT_BATCH || width * INSERT_BATCH > MAX_PARAMS {
+            for ins in rows {
+                self.insert(pipe, txn, ins).await?;
+            }
+            return Ok(());
+        }
+        let rel = self.rel(oid)?;
+        let display: Arc<str> = Arc::from(rel.display.as_str());
+        let mut params = Vec::with_capacity(width * rows.len());
+        for ins in &rows {
+            params.extend(tuple_params(&ins.new, rel, None)?);
+        }
+        let stmt = match &rel.insert_batch {
+            Some(s) => s.clone(),
+            None => {
+                pipe.settle(0).await?;
+                let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
+                let text = sql::insert_rows(&rel.table_sql, &cols, INSERT_BATCH);
+                let s = Self::prepare(&self.client, &display, &text).await?;
+                self.rel_mut(oid)?.insert_batch = Some(s.clone());
+                s
+            }
+        };
+        pipe.push(
+            &stmt,
+            params,
+            OpMeta {
+                kind: OpKind::Insert,
+                relation: Some(display),
+                txn,
+            },
+        )
+        .await
     }
 
     async fn insert(

@@ -27,6 +27,8 @@ pub struct LocalRelation {
     pub key_remote: Vec<usize>,
     pub locator: Locator,
     pub insert: Option<Statement>,
+    /// Multi-row INSERT of `INSERT_BATCH` rows.
+    pub insert_batch: Option<Statement>,
     /// Keyed by (columns left out of SET, columns left out of the row match).
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
@@ -121,6 +123,7 @@ impl LocalRelation {
             locator,
             remote,
             insert: None,
+            insert_batch: None,
             update: HashMap::new(),
             delete: HashMap::new(),
         })

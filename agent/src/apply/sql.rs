@@ -87,6 +87,24 @@ pub fn insert(table: &str, cols: &[&str]) -> String {
     s
 }
 
+/// `INSERT INTO t (c1, c2) VALUES ($1, $2), ($3, $4), ...` for `rows` rows.
+pub fn insert_rows(table: &str, cols: &[&str], rows: usize) -> String {
+    let mut s = insert(table, cols);
+    let mut n = cols.len();
+    for _ in 1..rows {
+        s.push_str(", (");
+        for i in 0..cols.len() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            n += 1;
+            let _ = write!(s, "${n}");
+        }
+        s.push(')');
+    }
+    s
+}
+
 /// `UPDATE t SET c1 = $1 ... WHERE <locator>`; SET params come first.
 pub fn update(table: &str, set_cols: &[&str], loc: &Locator) -> String {
     let mut s = format!("UPDATE {table} SET ");
@@ -136,6 +154,10 @@ mod tests {
         assert_eq!(
             insert(&t, &["id", "v"]),
             "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") VALUES ($1, $2)"
+        );
+        assert_eq!(
+            insert_rows(&t, &["id", "v"], 3),
+            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") VALUES ($1, $2), ($3, $4), ($5, $6)"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
