@@ -384,6 +384,18 @@ impl Applier {
         })
     }
 
+    /// Prepares a statement needed mid-transaction. The pipeline is settled
+    /// first: a prepare waits for its reply, and replies arrive in order.
+    async fn prepare_settled(
+        pipe: &mut Pipeline,
+        client: &Client,
+        display: &str,
+        text: &str,
+    ) -> Result<Statement, ApplyFailure> {
+        pipe.settle(0).await?;
+        Self::prepare(client, display, text).await
+    }
+
     /// Takes the client, not `&self`: the pipeline's futures make `Applier`
     /// non-`Sync`, so `&Applier` must not be held across an await.
     async fn prepare(
@@ -415,7 +427,7 @@ impl Applier {
             return Ok(());
         }
         let rel = self.rel(oid)?;
-        let display: Arc<str> = Arc::from(rel.display.as_str());
+        let display = Arc::clone(&rel.display);
         let mut params = Vec::with_capacity(width * rows.len());
         for ins in &rows {
             params.extend(tuple_params(&ins.new, rel, None)?);
@@ -423,24 +435,14 @@ impl Applier {
         let stmt = match &rel.insert_batch {
             Some(s) => s.clone(),
             None => {
-                pipe.settle(0).await?;
                 let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
                 let text = sql::insert_rows(&rel.table_sql, &cols, INSERT_BATCH);
-                let s = Self::prepare(&self.client, &display, &text).await?;
+                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(oid)?.insert_batch = Some(s.clone());
                 s
             }
         };
-        pipe.push(
-            &stmt,
-            params,
-            OpMeta {
-                kind: OpKind::Insert,
-                relation: Some(display),
-                txn,
-            },
-        )
-        .await
+        push_row(pipe, &stmt, params, OpKind::Insert, display, txn).await
     }
 
     async fn insert(
@@ -451,28 +453,18 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
         let params = tuple_params(&ins.new, rel, None)?;
-        let display: Arc<str> = Arc::from(rel.display.as_str());
+        let display = Arc::clone(&rel.display);
         let stmt = match &rel.insert {
             Some(s) => s.clone(),
             None => {
-                pipe.settle(0).await?;
                 let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
                 let text = sql::insert(&rel.table_sql, &cols);
-                let s = Self::prepare(&self.client, &display, &text).await?;
+                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(ins.relation_oid)?.insert = Some(s.clone());
                 s
             }
         };
-        pipe.push(
-            &stmt,
-            params,
-            OpMeta {
-                kind: OpKind::Insert,
-                relation: Some(display),
-                txn,
-            },
-        )
-        .await
+        push_row(pipe, &stmt, params, OpKind::Insert, display, txn).await
     }
 
     async fn update(
@@ -482,7 +474,7 @@ impl Applier {
         upd: Update,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
-        let display: Arc<str> = Arc::from(rel.display.as_str());
+        let display = Arc::clone(&rel.display);
         let set_mask: Vec<bool> = upd
             .new
             .columns
@@ -499,7 +491,6 @@ impl Applier {
         let stmt = match rel.update.get(&key) {
             Some(s) => s.clone(),
             None => {
-                pipe.settle(0).await?;
                 let set_cols: Vec<&str> = rel
                     .local_names
                     .iter()
@@ -508,23 +499,14 @@ impl Applier {
                     .map(|(n, _)| n.as_str())
                     .collect();
                 let text = sql::update(&rel.table_sql, &set_cols, &masked_locator(rel, &key.1));
-                let s = Self::prepare(&self.client, &display, &text).await?;
+                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
                     .update
                     .insert(key, s.clone());
                 s
             }
         };
-        pipe.push(
-            &stmt,
-            params,
-            OpMeta {
-                kind: OpKind::Update,
-                relation: Some(display),
-                txn,
-            },
-        )
-        .await
+        push_row(pipe, &stmt, params, OpKind::Update, display, txn).await
     }
 
     async fn delete(
@@ -534,30 +516,20 @@ impl Applier {
         del: Delete,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
-        let display: Arc<str> = Arc::from(rel.display.as_str());
+        let display = Arc::clone(&rel.display);
         let (match_mask, params) = locate(rel, Some(&del.old), None)?;
         let stmt = match rel.delete.get(&match_mask) {
             Some(s) => s.clone(),
             None => {
-                pipe.settle(0).await?;
                 let text = sql::delete(&rel.table_sql, &masked_locator(rel, &match_mask));
-                let s = Self::prepare(&self.client, &display, &text).await?;
+                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?
                     .delete
                     .insert(match_mask, s.clone());
                 s
             }
         };
-        pipe.push(
-            &stmt,
-            params,
-            OpMeta {
-                kind: OpKind::Delete,
-                relation: Some(display),
-                txn,
-            },
-        )
-        .await
+        push_row(pipe, &stmt, params, OpKind::Delete, display, txn).await
     }
 
     async fn truncate(
@@ -571,30 +543,36 @@ impl Applier {
             tables.push(self.rel(*oid)?.table_sql.clone());
         }
         let display: Arc<str> = Arc::from(tables.join(", ").as_str());
-        pipe.settle(0).await?;
         let text = sql::truncate(&tables, t.cascade, t.restart_identity);
-        let stmt = Self::prepare(&self.client, &display, &text).await?;
-        pipe.push(
-            &stmt,
-            Vec::new(),
-            OpMeta {
-                kind: OpKind::Truncate,
-                relation: Some(display),
-                txn,
-            },
-        )
-        .await
+        let stmt = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+        push_row(pipe, &stmt, Vec::new(), OpKind::Truncate, display, txn).await
     }
 }
 
 fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {
     ApplyFailure::new(
-        Some(&rel.display),
+        Some(&*rel.display),
         format!(
             "tuple has {got} columns but the RELATION message described {}",
             rel.local_names.len()
         ),
     )
+}
+
+async fn push_row(
+    pipe: &mut Pipeline,
+    stmt: &Statement,
+    params: Vec<Param>,
+    kind: OpKind,
+    relation: Arc<str>,
+    txn: TxnMeta,
+) -> Result<(), ApplyFailure> {
+    let meta = OpMeta {
+        kind,
+        relation: Some(relation),
+        txn,
+    };
+    pipe.push(stmt, params, meta).await
 }
 
 /// Parameters for every column of `tuple`, skipping those marked in `skip`.
@@ -650,13 +628,15 @@ fn locate(
                             Some(KeyValue::Key(v)) => Some(v),
                             _ => None,
                         },
-                        Err(e) => return Err(ApplyFailure::new(Some(&rel.display), e.to_string())),
+                        Err(e) => {
+                            return Err(ApplyFailure::new(Some(&*rel.display), e.to_string()));
+                        }
                     },
                     None => new.and_then(|n| n.columns.get(idx)),
                 };
                 let Some(v) = v else {
                     return Err(ApplyFailure::new(
-                        Some(&rel.display),
+                        Some(&*rel.display),
                         format!(
                             "the publisher did not send key column \"{name}\" needed to find the row"
                         ),
@@ -669,7 +649,7 @@ fn locate(
         Locator::AllColumns(_) => {
             let Some(OldTuple::Full(t)) = old else {
                 return Err(ApplyFailure::new(
-                    Some(&rel.display),
+                    Some(&*rel.display),
                     "no local key and the publisher sent no full old row: cannot find the target row",
                 ));
             };

@@ -6,6 +6,7 @@
 //! an index scan here.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use mm_proto::pgoutput::Relation;
 use tokio_postgres::{Client, Statement};
@@ -18,8 +19,9 @@ pub struct LocalRelation {
     pub remote: Relation,
     /// `"schema"."table"` for SQL.
     pub table_sql: String,
-    /// `schema.table` for messages.
-    pub display: String,
+    /// `schema.table` for messages; shared (not re-allocated) by every row's
+    /// pipeline entry.
+    pub display: Arc<str>,
     /// For each remote column: the local column name it maps to.
     pub local_names: Vec<String>,
     /// Remote column indexes of the local key columns, in key order
@@ -117,7 +119,7 @@ impl LocalRelation {
         };
         Ok(LocalRelation {
             table_sql: sql::qualified(&remote.namespace, &remote.name),
-            display,
+            display: Arc::from(display.as_str()),
             local_names,
             key_remote,
             locator,
