@@ -31,7 +31,7 @@ pub fn render(registry: &StatusRegistry) -> String {
     let streams = registry.snapshot();
     let mut out = String::new();
     type Getter = fn(&StreamStatus) -> Option<f64>;
-    let families: [(&str, &str, &str, Getter); 8] = [
+    let families: [(&str, &str, &str, Getter); 9] = [
         (
             "mm_stream_state",
             "gauge",
@@ -61,6 +61,12 @@ pub fn render(registry: &StatusRegistry) -> String {
             "counter",
             "remote row changes applied",
             |s| Some(s.applied_rows as f64),
+        ),
+        (
+            "mm_routine_changes_total",
+            "counter",
+            "cross-origin changes applied without conflict (the publisher had seen the local version)",
+            |s| Some(s.routine as f64),
         ),
         (
             "mm_stream_restarts_total",
@@ -109,6 +115,13 @@ pub fn render(registry: &StatusRegistry) -> String {
             );
         }
     }
+    if let Some(n) = registry.tombstones() {
+        let _ = writeln!(
+            out,
+            "# HELP mm_tombstones rows in mm.tombstones (deleted rows' last versions)\n# TYPE mm_tombstones gauge\nmm_tombstones{{node=\"{}\"}} {n}",
+            esc(registry.local_node())
+        );
+    }
     out
 }
 
@@ -123,8 +136,14 @@ mod tests {
             s.applied_txns = 7;
             s.state = StreamState::Streaming;
             s.conflicts.insert("update_missing".into(), 2);
+            s.routine = 11;
         });
         let text = render(&r);
+        assert!(!text.contains("mm_tombstones"), "not counted yet: {text}");
+        assert!(text.contains("mm_routine_changes_total{from=\"n1\",to=\"n2\"} 11"));
+        r.set_tombstones(5);
+        let text = render(&r);
+        assert!(text.contains("# TYPE mm_tombstones gauge\nmm_tombstones{node=\"n2\"} 5"));
         assert!(text.contains("mm_stream_applied_transactions_total{from=\"n1\",to=\"n2\"} 7"));
         assert!(text.contains("mm_stream_state{from=\"n1\",to=\"n2\"} 1"));
         assert!(

@@ -2,16 +2,39 @@
 //! and the API, `/metrics` and `wait-sync` (readers).
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use mm_proto::api::{StreamState, StreamStatus};
+use tokio::sync::Notify;
+
+/// `tombstones` before the data plane has counted them.
+const NOT_COUNTED: u64 = u64::MAX;
 
 /// One entry per publisher node streaming into this node, keyed by its name.
 /// A plain mutex: updates are a few per transaction and never held across awaits.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct StatusRegistry {
     local: String,
     streams: Mutex<BTreeMap<String, StreamStatus>>,
+    /// Rows in the local `mm.tombstones`; `NOT_COUNTED` until set.
+    tombstones: AtomicU64,
+    /// Per publisher: wakes the stream's supervisor out of its backoff sleep
+    /// (`mmctl skip` stored a request the stream reads when it restarts).
+    kicks: Mutex<BTreeMap<String, Arc<Notify>>>,
+}
+
+impl Default for StatusRegistry {
+    fn default() -> Self {
+        Self::new("")
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
 }
 
 impl StatusRegistry {
@@ -19,6 +42,8 @@ impl StatusRegistry {
         Self {
             local: local_node.to_owned(),
             streams: Mutex::new(BTreeMap::new()),
+            tombstones: AtomicU64::new(NOT_COUNTED),
+            kicks: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -27,10 +52,7 @@ impl StatusRegistry {
     }
 
     pub fn snapshot(&self) -> Vec<StreamStatus> {
-        match self.streams.lock() {
-            Ok(g) => g.values().cloned().collect(),
-            Err(p) => p.into_inner().values().cloned().collect(),
-        }
+        lock(&self.streams).values().cloned().collect()
     }
 
     pub fn get(&self, from: &str) -> Option<StreamStatus> {
@@ -39,10 +61,7 @@ impl StatusRegistry {
 
     /// Applies `f` to the status of the stream from `from`, creating it if needed.
     pub fn update(&self, from: &str, f: impl FnOnce(&mut StreamStatus)) {
-        let mut g = match self.streams.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let mut g = lock(&self.streams);
         let entry = g.entry(from.to_owned()).or_insert_with(|| StreamStatus {
             from: from.to_owned(),
             to: self.local.clone(),
@@ -56,6 +75,7 @@ impl StatusRegistry {
             applied_txns: 0,
             applied_rows: 0,
             conflicts: BTreeMap::new(),
+            routine: 0,
             restarts: 0,
             streamed_bytes: 0,
         });
@@ -63,10 +83,65 @@ impl StatusRegistry {
     }
 
     pub fn remove(&self, from: &str) {
-        let mut g = match self.streams.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        g.remove(from);
+        lock(&self.streams).remove(from);
+    }
+
+    /// Records the number of rows in the local `mm.tombstones` (shown in
+    /// status and as the `mm_tombstones` gauge).
+    pub fn set_tombstones(&self, n: u64) {
+        self.tombstones
+            .store(n.min(NOT_COUNTED - 1), Ordering::Relaxed);
+    }
+
+    /// The last count given to `set_tombstones`, None before the first.
+    pub fn tombstones(&self) -> Option<u64> {
+        match self.tombstones.load(Ordering::Relaxed) {
+            NOT_COUNTED => None,
+            n => Some(n),
+        }
+    }
+
+    /// The signal that cuts the backoff of the stream from `from` short.
+    /// The stream's supervisor waits on it; `kick` fires it.
+    pub fn kick_signal(&self, from: &str) -> Arc<Notify> {
+        Arc::clone(lock(&self.kicks).entry(from.to_owned()).or_default())
+    }
+
+    /// Asks the stream from `from` to restart now instead of after its
+    /// backoff. A stream that is running when kicked keeps running; if it
+    /// then fails, it retries at once (the kick is remembered, once).
+    pub fn kick(&self, from: &str) {
+        self.kick_signal(from).notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn tombstones_are_unknown_until_counted() {
+        let r = StatusRegistry::new("n1");
+        assert_eq!(r.tombstones(), None);
+        r.set_tombstones(0);
+        assert_eq!(r.tombstones(), Some(0));
+        r.set_tombstones(42);
+        assert_eq!(r.tombstones(), Some(42));
+    }
+
+    #[tokio::test]
+    async fn a_kick_before_the_wait_is_remembered_once() {
+        let r = StatusRegistry::new("n1");
+        let signal = r.kick_signal("n2");
+        r.kick("n2");
+        let first = tokio::time::timeout(Duration::from_millis(500), signal.notified()).await;
+        assert!(first.is_ok(), "the pending kick was lost");
+        let second = tokio::time::timeout(Duration::from_millis(100), signal.notified()).await;
+        assert!(second.is_err(), "one kick woke the stream twice");
+        // Another stream's kick does not wake this one.
+        r.kick("n3");
+        let other = tokio::time::timeout(Duration::from_millis(100), signal.notified()).await;
+        assert!(other.is_err(), "n3's kick woke the stream from n2");
     }
 }

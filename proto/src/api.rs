@@ -33,6 +33,11 @@ pub struct StreamStatus {
     pub applied_rows: u64,
     /// Conflicts detected on this stream, by PostgreSQL 18 conflict type name.
     pub conflicts: BTreeMap<String, u64>,
+    /// Cross-origin changes applied without a conflict because the publisher
+    /// had already seen the local version (its watermark covered it): routine
+    /// traffic, counted but never logged.
+    #[serde(default)]
+    pub routine: u64,
     /// Restarts after errors since the agent started.
     pub restarts: u64,
     /// Bytes of in-progress transactions received (streamed and spooled)
@@ -176,12 +181,90 @@ pub struct StatusResponse {
     /// (from, to) node names whose stream is paused.
     pub paused: Vec<(String, String)>,
     pub streams: Vec<StreamStatus>,
+    /// Rows in this node's `mm.tombstones` at the last count, None until the
+    /// data plane has counted them.
+    #[serde(default)]
+    pub tombstones: Option<u64>,
 }
 
 /// `GET /v1/wal-lsn`: the local PostgreSQL's current WAL insert position.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WalLsnResponse {
     pub lsn: Lsn,
+}
+
+/// `POST /v1/skip`: on the addressed node, skip the transaction of node
+/// `from` that commits at `lsn` (its commit LSN, as shown in the stream's
+/// last error). `lsn` is text so a malformed one gets a precise error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SkipRequest {
+    pub from: String,
+    pub lsn: String,
+}
+
+/// `POST /v1/skip` result: the request is stored in the node's
+/// `mm.skip_requests`; the stream from `from` applies it when it next starts
+/// (it was told to restart now rather than after its backoff).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkipResponse {
+    /// The node that will skip the transaction (the addressed agent's node).
+    pub node: String,
+    pub from: String,
+    pub lsn: Lsn,
+    /// True when the same request was already pending (nothing changed).
+    pub already_requested: bool,
+}
+
+/// One row of a node's `mm.conflict_log` (SPEC §5). Timestamps are UTC,
+/// RFC 3339 with microseconds (`2026-01-02T03:04:05.123456Z`), so they sort
+/// as text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConflictRecord {
+    /// The node whose conflict log holds the row (where it was resolved).
+    pub node: String,
+    pub id: i64,
+    pub at: String,
+    /// `schema.table`; empty for a skipped transaction.
+    pub relation: String,
+    pub conflict_type: String,
+    pub key: Option<serde_json::Value>,
+    pub local_origin: Option<String>,
+    pub local_commit_ts: Option<String>,
+    pub remote_origin: Option<String>,
+    pub remote_commit_ts: Option<String>,
+    pub remote_lsn: Option<Lsn>,
+    pub resolution: String,
+    pub local_tuple: Option<serde_json::Value>,
+    pub remote_tuple: Option<serde_json::Value>,
+}
+
+/// `GET /v1/conflicts?limit=K`: the newest `limit` rows of this node's own
+/// conflict log, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConflictsResponse {
+    pub node: String,
+    pub conflicts: Vec<ConflictRecord>,
+}
+
+/// A node whose conflict log could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeError {
+    pub node: String,
+    pub api_url: String,
+    pub error: String,
+}
+
+/// `GET /v1/cluster/conflicts?limit=K`: every member's conflict log merged,
+/// newest first (by `at`), at most `limit` rows. Nodes that did not answer
+/// are listed in `errors`; the others' rows are still returned.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterConflictsResponse {
+    pub limit: u32,
+    /// Nodes whose logs were read.
+    pub nodes: Vec<String>,
+    pub conflicts: Vec<ConflictRecord>,
+    pub errors: Vec<NodeError>,
 }
 
 /// Body of every non-2xx answer of the agent's API.

@@ -205,6 +205,7 @@ pub(super) async fn status(State(s): State<AppState>) -> Json<StatusResponse> {
         nodes: state.nodes.values().cloned().collect(),
         paused: state.paused.iter().cloned().collect(),
         streams: s.status.snapshot(),
+        tombstones: s.status.tombstones(),
     })
 }
 

@@ -4,6 +4,7 @@
 //! cluster membership and the admin API can pause replication.
 
 mod admin;
+pub mod ops;
 mod raft_routes;
 
 use std::future::Future;
@@ -90,6 +91,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/resume", post(admin::resume))
         .route("/v1/status", get(admin::status))
         .route("/v1/wal-lsn", get(admin::wal_lsn))
+        .route("/v1/skip", post(ops::skip))
+        .route("/v1/conflicts", get(ops::conflicts))
+        .route("/v1/cluster/conflicts", get(ops::cluster_conflicts))
         .route("/metrics", get(admin::metrics))
         .layer(DefaultBodyLimit::max(ADMIN_BODY_LIMIT));
     Router::new()

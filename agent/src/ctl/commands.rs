@@ -489,6 +489,7 @@ mod tests {
             nodes: vec![node(1, "n1"), node(2, "n2"), node(3, "n3")],
             paused: vec![("n2".into(), "n1".into())],
             streams,
+            tombstones: None,
         }
     }
 

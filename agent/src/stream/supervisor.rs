@@ -1,12 +1,14 @@
 //! Keeps one stream running: restarts it after errors with exponential
 //! backoff, so a stream failing on the same transaction retries slowly instead
-//! of spinning, and reports its last error in the status registry.
+//! of spinning, and reports its last error in the status registry. A kick
+//! (`StatusRegistry::kick`, sent by `mmctl skip`) cuts the backoff short: the
+//! stream restarts at once and reads the new skip request.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mm_proto::api::StreamState;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info};
 
@@ -38,6 +40,7 @@ pub fn spawn_stream(local: LocalNode, peer: Peer) -> StreamHandle {
     let p = peer.clone();
     let task = tokio::spawn(async move {
         let status = Arc::clone(&local.status);
+        let kick = status.kick_signal(&p.name);
         let mut backoff = BACKOFF_START;
         loop {
             status.update(&p.name, |s| s.state = StreamState::Starting);
@@ -58,17 +61,94 @@ pub fn spawn_stream(local: LocalNode, peer: Peer) -> StreamHandle {
             if started.elapsed() > HEALTHY_AFTER {
                 backoff = BACKOFF_START;
             }
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = stop_rx.changed() => break,
+            let Some(woke) = pause(backoff, &kick, &mut stop_rx).await else {
+                break;
+            };
+            if woke == Wake::Kicked {
+                info!(from = %p.name, to = %local.name, "restarting stream now (kicked, e.g. by mmctl skip)");
+            } else {
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                info!(from = %p.name, to = %local.name, "restarting stream");
             }
-            backoff = (backoff * 2).min(BACKOFF_MAX);
-            info!(from = %p.name, to = %local.name, "restarting stream");
         }
     });
     StreamHandle {
         peer,
         stop: stop_tx,
         task,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    BackoffOver,
+    Kicked,
+}
+
+/// The pause between two runs: the backoff, cut short by a kick. None when
+/// the stream is being stopped.
+async fn pause(
+    backoff: Duration,
+    kick: &Notify,
+    stop_rx: &mut watch::Receiver<bool>,
+) -> Option<Wake> {
+    tokio::select! {
+        _ = tokio::time::sleep(backoff) => Some(Wake::BackoffOver),
+        _ = kick.notified() => Some(Wake::Kicked),
+        _ = stop_rx.changed() => None,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests may unwrap
+mod tests {
+    use super::*;
+    use crate::status::StatusRegistry;
+
+    #[tokio::test]
+    async fn a_kick_cuts_the_backoff_short_and_stop_ends_it() {
+        let status = Arc::new(StatusRegistry::new("me"));
+        let kick = status.kick_signal("p1");
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+
+        // Unkicked: the whole backoff.
+        let t = Instant::now();
+        let w = pause(Duration::from_millis(300), &kick, &mut stop_rx).await;
+        assert_eq!(w, Some(Wake::BackoffOver));
+        assert!(t.elapsed() >= Duration::from_millis(300));
+
+        // Kicked during a long backoff (as the skip route does): at once.
+        let st = Arc::clone(&status);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            st.kick("p1");
+        });
+        let t = Instant::now();
+        let w = pause(Duration::from_secs(30), &kick, &mut stop_rx).await;
+        assert_eq!(w, Some(Wake::Kicked));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+        // A kick while the stream was running is kept for the next pause.
+        status.kick("p1");
+        let w = tokio::time::timeout(
+            Duration::from_secs(5),
+            pause(Duration::from_secs(30), &kick, &mut stop_rx),
+        )
+        .await;
+        assert_eq!(w.ok(), Some(Some(Wake::Kicked)));
+
+        // Another stream's kick does not wake this one.
+        status.kick("p2");
+        let w = pause(Duration::from_millis(200), &kick, &mut stop_rx).await;
+        assert_eq!(w, Some(Wake::BackoffOver));
+
+        // Stopping ends the pause.
+        stop_tx.send(true).unwrap();
+        let w = tokio::time::timeout(
+            Duration::from_secs(5),
+            pause(Duration::from_secs(30), &kick, &mut stop_rx),
+        )
+        .await;
+        assert_eq!(w.ok(), Some(None));
     }
 }
