@@ -363,6 +363,9 @@ async fn every_route_requires_the_token() {
         ("POST", "/v1/nodes"),
         ("POST", "/v1/pause"),
         ("POST", "/v1/resume"),
+        ("POST", "/v1/skip"),
+        ("GET", "/v1/conflicts"),
+        ("GET", "/v1/cluster/conflicts"),
         ("POST", "/raft/append"),
         ("POST", "/raft/vote"),
         ("POST", "/raft/snapshot"),
@@ -421,7 +424,12 @@ async fn malformed_requests_are_400_json() {
     let mut n = single_node(tmp.path()).await;
     let http = reqwest::Client::new();
     let before = n.state();
-    let cases: [(&str, &str); 8] = [
+    let cases: [(&str, &str); 13] = [
+        ("/v1/skip", "not json"),
+        ("/v1/skip", r#"{"from":"solo"}"#),
+        ("/v1/skip", r#"{"from":"x","lsn":"0/10","bogus":1}"#),
+        ("/v1/skip", r#"{"from":"x","lsn":16}"#),
+        ("/v1/skip", r#"{"from":"","lsn":"0/10"}"#),
         ("/v1/pause", "not json"),
         ("/v1/pause", ""),
         ("/v1/pause", r#"{"from":"solo"}"#),
@@ -461,6 +469,28 @@ async fn malformed_requests_are_400_json() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 405);
     assert!(resp.json::<serde_json::Value>().await.unwrap()["error"].is_string());
+    // Conflicts: a bad limit is refused before PostgreSQL is asked.
+    for q in ["limit=0", "limit=x", "limit=10001", "since=1"] {
+        let e = client()
+            .get::<serde_json::Value>(&n.url, &format!("/v1/conflicts?{q}"))
+            .await
+            .unwrap_err();
+        assert_eq!(http_status(&e), 400, "{q}: {e}");
+    }
+    // With the local PostgreSQL down: 503 naming the cause; the cluster view
+    // reports the node as unreadable instead of failing.
+    let e = client()
+        .get::<serde_json::Value>(&n.url, "/v1/conflicts")
+        .await
+        .unwrap_err();
+    assert_eq!(http_status(&e), 503, "{e}");
+    assert!(e.to_string().contains("PostgreSQL"), "{e}");
+    let all: mm_proto::api::ClusterConflictsResponse =
+        client().get(&n.url, "/v1/cluster/conflicts").await.unwrap();
+    assert!(all.conflicts.is_empty() && all.nodes.is_empty());
+    assert_eq!(all.errors.len(), 1, "{all:?}");
+    assert_eq!(all.errors[0].node, "solo");
+    assert!(all.errors[0].error.contains("PostgreSQL"), "{all:?}");
     // /v1/wal-lsn with the local PostgreSQL down: 503 naming the cause.
     let e = client()
         .get::<serde_json::Value>(&n.url, "/v1/wal-lsn")
@@ -844,5 +874,343 @@ async fn wal_lsn_and_wait_sync_against_real_postgres() {
 
     a.stop().await;
     b.stop().await;
+    drop(pg);
+}
+
+/// A database of its own on the shared test server, with the agent's schema.
+async fn node_db(pg: &Pg, db: &str) -> (tokio_postgres::Client, String) {
+    let (admin, conn) = tokio_postgres::connect(&pg.dsn(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let dsn = format!("host=127.0.0.1 port={} user=mm dbname={db}", pg.port);
+    let (client, conn) = tokio_postgres::connect(&dsn, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    mm_agent::schema::ensure(&client, &["public".to_string()])
+        .await
+        .unwrap();
+    // Same DDL as schema.rs (SPEC §5), for a tree where it is not there yet.
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS mm.skip_requests (
+               from_node text NOT NULL,
+               commit_lsn pg_lsn NOT NULL,
+               requested_at timestamptz NOT NULL DEFAULT now(),
+               PRIMARY KEY (from_node, commit_lsn))",
+        )
+        .await
+        .unwrap();
+    (client, dsn)
+}
+
+async fn log_conflict(db: &tokio_postgres::Client, at: &str, ty: &str, key: i32, lsn: &str) {
+    db.execute(
+        "INSERT INTO mm.conflict_log (at, relation, conflict_type, key, local_origin, \
+           local_commit_ts, remote_origin, remote_commit_ts, remote_lsn, resolution, \
+           local_tuple, remote_tuple) \
+         VALUES ($1::text::timestamptz, 'public.accounts', $2, jsonb_build_object('id', $3::int), \
+           'b2', '2026-03-01 10:00:00.000001+00', 'a1', '2026-03-01 10:00:00.5+00', \
+           $4::text::pg_lsn, 'apply_remote', jsonb_build_object('id', $3::int, 'v', 'old'), \
+           jsonb_build_object('id', $3::int, 'v', 'new'))",
+        &[&at, &ty, &key, &lsn],
+    )
+    .await
+    .unwrap();
+}
+
+async fn skip_requests(db: &tokio_postgres::Client) -> Vec<(String, String)> {
+    db.query(
+        "SELECT from_node, commit_lsn::text FROM mm.skip_requests ORDER BY 1, 2",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
+/// mmctl skip / conflicts / status against real PostgreSQL databases, one
+/// per node: the conflict logs of both nodes merged through either agent, a
+/// skip stored on the addressed node only (and its stream kicked), clear
+/// one-line failures, and the status/metrics counters of conflict handling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn skip_conflicts_and_counters_against_real_postgres() {
+    use mm_proto::api::{ClusterConflictsResponse, ConflictsResponse, SkipResponse, StreamState};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let pg = tokio::task::spawn_blocking({
+        let root = tmp.path().to_owned();
+        move || Pg::start(&root)
+    })
+    .await
+    .unwrap();
+    let token_file = tmp.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let (db_a, dsn_a) = node_db(&pg, "a1").await;
+    let (db_b, dsn_b) = node_db(&pg, "b2").await;
+    let mut a = start_node("a1", &tmp.path().join("a1"), 0, &dsn_a).await;
+    let mut b = start_node("b2", &tmp.path().join("b2"), 0, &dsn_b).await;
+    let c = client();
+    let _: InitResponse = c
+        .post(&a.url, "/v1/init", &serde_json::json!({}), None)
+        .await
+        .unwrap();
+    let add = AddNodeRequest {
+        name: "b2".into(),
+        url: b.url.clone(),
+    };
+    let _: NodeInfo = c.post(&a.url, "/v1/nodes", &add, None).await.unwrap();
+    wait_state(&b, "both nodes known", |s| s.nodes.len() == 2).await;
+
+    // Conflict logs: two rows on a1, one on b2 (its time between a1's).
+    log_conflict(&db_a, "2026-03-01 10:00:01+00", "insert_exists", 1, "0/A0").await;
+    log_conflict(&db_b, "2026-03-01 10:00:02+00", "update_missing", 2, "1/B0").await;
+    log_conflict(
+        &db_a,
+        "2026-03-01 10:00:03.25+00",
+        "delete_missing",
+        3,
+        "0/C0",
+    )
+    .await;
+
+    // Each node's own route lists only its own rows, newest first.
+    let own: ConflictsResponse = c.get(&a.url, "/v1/conflicts?limit=5").await.unwrap();
+    let types: Vec<&str> = own
+        .conflicts
+        .iter()
+        .map(|r| r.conflict_type.as_str())
+        .collect();
+    assert_eq!(
+        (own.node.as_str(), types),
+        ("a1", vec!["delete_missing", "insert_exists"])
+    );
+
+    // mmctl conflicts through b2 merges both logs by time, each row tagged.
+    let (code, out, err) = mmctl(args(&b.url, &token_file, &["--json", "conflicts"])).await;
+    assert_eq!(code, 0, "{err}");
+    let all: ClusterConflictsResponse = serde_json::from_str(&out).unwrap();
+    let got: Vec<(&str, &str)> = all
+        .conflicts
+        .iter()
+        .map(|r| (r.node.as_str(), r.conflict_type.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("a1", "delete_missing"),
+            ("b2", "update_missing"),
+            ("a1", "insert_exists")
+        ]
+    );
+    assert!(all.errors.is_empty(), "{:?}", all.errors);
+    assert_eq!(all.nodes, ["a1", "b2"]);
+    let newest = &all.conflicts[0];
+    assert_eq!(newest.at, "2026-03-01T10:00:03.250000Z");
+    assert_eq!(newest.relation, "public.accounts");
+    assert_eq!(newest.key, Some(serde_json::json!({"id": 3})));
+    assert_eq!(newest.local_origin.as_deref(), Some("b2"));
+    assert_eq!(
+        newest.local_commit_ts.as_deref(),
+        Some("2026-03-01T10:00:00.000001Z")
+    );
+    assert_eq!(newest.remote_origin.as_deref(), Some("a1"));
+    assert_eq!(
+        newest.remote_commit_ts.as_deref(),
+        Some("2026-03-01T10:00:00.500000Z")
+    );
+    assert_eq!(newest.remote_lsn, Some("0/C0".parse().unwrap()));
+    assert_eq!(newest.resolution, "apply_remote");
+    assert_eq!(newest.remote_tuple.as_ref().unwrap()["v"], "new");
+    assert_eq!(newest.local_tuple.as_ref().unwrap()["v"], "old");
+
+    // --limit applies after the merge; the table shows node, type, key, origins, LSN.
+    let (code, out, err) = mmctl(args(&a.url, &token_file, &["conflicts", "--limit", "2"])).await;
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[0].contains("NODE") && lines[0].contains("RESOLUTION"),
+        "{out}"
+    );
+    for want in [
+        "a1",
+        "2026-03-01 10:00:03.250000",
+        "delete_missing",
+        r#"{"id":3}"#,
+        "b2 2026-03-01 10:00:00.000001",
+        "a1 2026-03-01 10:00:00.500000",
+        "0/C0",
+    ] {
+        assert!(lines[1].contains(want), "{want} missing: {out}");
+    }
+    assert!(
+        lines[2].contains("b2") && lines[2].contains("update_missing"),
+        "{out}"
+    );
+
+    // skip: one clear line and exit 1 for a bad LSN, an unknown node, the node itself.
+    let one_line = |err: &str| {
+        assert_eq!(err.trim_end().lines().count(), 1, "{err:?}");
+        assert!(err.starts_with("mmctl: skip "), "{err:?}");
+    };
+    for (from, lsn, why) in [
+        ("a1", "nonsense", "invalid LSN \"nonsense\""),
+        ("a1", "0/0", "invalid LSN 0/0"),
+        ("zz9", "0/16B3748", "unknown node zz9"),
+        ("b2", "0/16B3748", "is this node"),
+    ] {
+        let (code, out, err) = mmctl(args(
+            &b.url,
+            &token_file,
+            &["skip", "--from", from, "--lsn", lsn],
+        ))
+        .await;
+        assert_eq!(code, 1, "{from} {lsn}: {out} {err}");
+        one_line(&err);
+        assert!(err.contains(why), "{from} {lsn}: {err}");
+    }
+    assert!(skip_requests(&db_b).await.is_empty());
+
+    // A good one is stored on the addressed node only, and kicks its stream from a1.
+    let kick = b.status.kick_signal("a1");
+    let (code, out, err) = mmctl(args(
+        &b.url,
+        &token_file,
+        &["--json", "skip", "--from", "a1", "--lsn", "0/16b3748"],
+    ))
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let r: SkipResponse = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (
+            r.node.as_str(),
+            r.from.as_str(),
+            r.lsn.to_string(),
+            r.already_requested
+        ),
+        ("b2", "a1", "0/16B3748".to_string(), false)
+    );
+    assert_eq!(
+        skip_requests(&db_b).await,
+        [("a1".to_string(), "0/16B3748".to_string())]
+    );
+    assert!(skip_requests(&db_a).await.is_empty());
+    assert!(
+        tokio::time::timeout(Duration::from_secs(2), kick.notified())
+            .await
+            .is_ok(),
+        "skip did not kick b2's stream from a1"
+    );
+    let (code, out, err) = mmctl(args(
+        &b.url,
+        &token_file,
+        &["skip", "--from", "a1", "--lsn", "0/16B3748"],
+    ))
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("already requested: b2 will skip a1's"),
+        "{out}"
+    );
+    assert_eq!(skip_requests(&db_b).await.len(), 1);
+    // A publisher known only by its running stream is accepted too.
+    b.status.update("old3", |s| s.state = StreamState::Error);
+    let (code, _, err) = mmctl(args(
+        &b.url,
+        &token_file,
+        &["skip", "--from", "old3", "--lsn", "2/0"],
+    ))
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(skip_requests(&db_b).await.len(), 2);
+
+    // Status and metrics: conflicts by type, routine changes, tombstones.
+    b.status.update("a1", |s| {
+        s.state = StreamState::Streaming;
+        s.conflicts.insert("update_missing".into(), 4);
+        s.routine = 17;
+    });
+    b.status.set_tombstones(9);
+    let (code, out, err) = mmctl(args(&a.url, &token_file, &["status", "--json"])).await;
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let node = |name: &str| {
+        v["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(node("b2")["tombstones"], 9);
+    assert!(node("a1")["tombstones"].is_null());
+    let ab = v["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["from"] == "a1" && p["to"] == "b2")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (&ab["routine"], &ab["conflicts"]["update_missing"]),
+        (&serde_json::json!(17), &serde_json::json!(4))
+    );
+    let (code, out, err) = mmctl(args(&a.url, &token_file, &["status"])).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("TOMBSTONES") && out.contains("ROUTINE"),
+        "{out}"
+    );
+    let by_type = out.lines().find(|l| l.contains("update_missing")).unwrap();
+    assert!(
+        by_type.contains("a1 → b2") && by_type.ends_with("update_missing 4"),
+        "{out}"
+    );
+    let metrics = reqwest::Client::new()
+        .get(format!("{}/metrics", b.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for want in [
+        "mm_tombstones{node=\"b2\"} 9",
+        "mm_routine_changes_total{from=\"a1\",to=\"b2\"} 17",
+        "mm_conflicts_total{from=\"a1\",to=\"b2\",type=\"update_missing\"} 4",
+    ] {
+        assert!(metrics.contains(want), "{want} missing:\n{metrics}");
+    }
+
+    // A node that is down is a warning, not a failure: a1's rows still come.
+    b.stop().await;
+    let (code, out, err) = mmctl(args(&a.url, &token_file, &["--json", "conflicts"])).await;
+    assert_eq!(code, 0, "{err}");
+    let all: ClusterConflictsResponse = serde_json::from_str(&out).unwrap();
+    assert_eq!(all.conflicts.len(), 2);
+    assert!(all.conflicts.iter().all(|r| r.node == "a1"));
+    assert_eq!(all.errors.len(), 1);
+    assert_eq!(all.errors[0].node, "b2");
+    let (code, out, err) = mmctl(args(&a.url, &token_file, &["conflicts"])).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .last()
+            .unwrap()
+            .starts_with("warning: b2's conflict log was not read"),
+        "{out}"
+    );
+
+    a.stop().await;
     drop(pg);
 }

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use mm_proto::Lsn;
 use mm_proto::api::{
-    AddNodeRequest, InitResponse, NodeInfo, NodeState, PairRequest, PauseResponse, StatusResponse,
-    StreamState, WalLsnResponse,
+    AddNodeRequest, ClusterConflictsResponse, InitResponse, NodeInfo, NodeState, PairRequest,
+    PauseResponse, SkipRequest, SkipResponse, StatusResponse, StreamState, WalLsnResponse,
 };
 use serde::Serialize;
 
 use super::client::{AgentClient, ClientError};
-use super::output::{ClusterStatus, NodeView, PairView, render_status};
+use super::output::{ClusterStatus, NodeView, PairView, render_conflicts, render_status};
 
 /// A failed command: printed as `mmctl: {what}: {why}`.
 #[derive(Debug, thiserror::Error)]
@@ -125,6 +125,53 @@ pub async fn pause(
     Output::new(human, &r)
 }
 
+/// The addressed agent merges every member's conflict log; nodes it could
+/// not read are warnings, unless no node could be read at all.
+pub async fn conflicts(c: &AgentClient, agent: &str, limit: u32) -> Result<Output, CtlError> {
+    let r: ClusterConflictsResponse = c
+        .get(agent, &format!("/v1/cluster/conflicts?limit={limit}"))
+        .await
+        .map_err(|e| CtlError::new("conflicts", e))?;
+    if r.nodes.is_empty() && !r.errors.is_empty() {
+        let why: Vec<String> = r
+            .errors
+            .iter()
+            .map(|e| format!("{}: {}", e.node, e.error))
+            .collect();
+        return Err(CtlError::new(
+            "conflicts",
+            format!("no node's conflict log could be read: {}", why.join("; ")),
+        ));
+    }
+    Output::new(render_conflicts(&r), &r)
+}
+
+/// Stores the skip request on the addressed node; its stream from `from`
+/// restarts at once and skips the transaction when it reaches it.
+pub async fn skip(c: &AgentClient, agent: &str, from: &str, lsn: &str) -> Result<Output, CtlError> {
+    let req = SkipRequest {
+        from: from.to_owned(),
+        lsn: lsn.to_owned(),
+    };
+    let r: SkipResponse = c
+        .post(agent, "/v1/skip", &req, Some(Duration::from_secs(30)))
+        .await
+        .map_err(|e| CtlError::new(format!("skip {from} {lsn}"), e))?;
+    let human = format!(
+        "{}: {} will skip {}'s transaction with commit LSN {} (audited in its conflict log as skipped_transaction); its stream from {} restarts now",
+        if r.already_requested {
+            "already requested"
+        } else {
+            "requested"
+        },
+        r.node,
+        r.from,
+        r.lsn,
+        r.from
+    );
+    Output::new(human, &r)
+}
+
 /// A pause is recorded in Raft first; `to`'s reconciler then stops the
 /// stream. Return only once `to` reports it stopped, so that a caller who
 /// writes on `from` right after `pause` knows the write will be held.
@@ -212,6 +259,7 @@ pub fn aggregate(
                 error: st.and_then(|r| r.as_ref().err().cloned()),
                 term: ok.map(|s| s.term),
                 last_applied_index: ok.map(|s| s.last_applied_index),
+                tombstones: ok.and_then(|s| s.tombstones),
             }
         })
         .collect();
@@ -233,6 +281,7 @@ pub fn aggregate(
                 applied_rows: None,
                 conflicts_total: None,
                 conflicts: BTreeMap::new(),
+                routine: None,
                 received_lsn: None,
                 applied_lsn: None,
                 processed_lsn: None,
@@ -251,6 +300,7 @@ pub fn aggregate(
                         p.applied_rows = Some(s.applied_rows);
                         p.conflicts_total = Some(s.conflicts.values().sum());
                         p.conflicts = s.conflicts.clone();
+                        p.routine = Some(s.routine);
                         p.received_lsn = s.received_lsn;
                         p.applied_lsn = s.applied_lsn;
                         p.processed_lsn = s.processed_lsn;
@@ -470,6 +520,7 @@ mod tests {
             s.applied_rows = 9;
             s.conflicts =
                 BTreeMap::from([("insert_exists".into(), 2), ("delete_missing".into(), 1)]);
+            s.routine = 13;
         });
         reg.get(from).unwrap()
     }
@@ -489,7 +540,7 @@ mod tests {
             nodes: vec![node(1, "n1"), node(2, "n2"), node(3, "n3")],
             paused: vec![("n2".into(), "n1".into())],
             streams,
-            tombstones: None,
+            tombstones: Some(id * 10),
         }
     }
 
@@ -519,9 +570,15 @@ mod tests {
         assert_eq!(pair("n3", "n1").state, "no_stream");
         assert_eq!(pair("n1", "n3").state, "unreachable");
         assert_eq!(pair("n1", "n2").applied_txns, Some(7));
+        assert_eq!(pair("n1", "n2").routine, Some(13));
+        assert_eq!(pair("n1", "n3").routine, None);
+        assert_eq!(pair("n2", "n1").conflicts.get("insert_exists"), Some(&2));
         let n3 = agg.nodes.iter().find(|n| n.info.name == "n3").unwrap();
         assert!(!n3.reachable);
         assert!(n3.error.as_deref().unwrap().contains("connection refused"));
+        assert_eq!(n3.tombstones, None);
+        let n2 = agg.nodes.iter().find(|n| n.info.name == "n2").unwrap();
+        assert_eq!(n2.tombstones, Some(20));
         assert!(
             agg.nodes
                 .iter()
@@ -533,5 +590,12 @@ mod tests {
         assert!(text.contains("n1 → n3"), "{text}");
         assert!(text.contains("unreachable"), "{text}");
         assert!(text.contains("term 4"), "{text}");
+        let by_type = text.lines().find(|l| l.contains("delete_missing")).unwrap();
+        assert!(
+            by_type.contains("n2 → n1") && by_type.ends_with("delete_missing 1, insert_exists 2"),
+            "{text}"
+        );
+        let n2_line = text.lines().find(|l| l.contains(" n2 ")).unwrap();
+        assert!(n2_line.contains(" 20 "), "tombstones: {text}");
     }
 }

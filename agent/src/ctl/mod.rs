@@ -79,6 +79,21 @@ pub enum Command {
         #[arg(long)]
         to: String,
     },
+    /// Recent resolved conflicts from every node's conflict log, newest first.
+    Conflicts {
+        /// Rows to show (after merging all nodes).
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Repair: on the --agent's node, skip node FROM's transaction that commits at LSN (audited in the conflict log).
+    Skip {
+        /// The node whose transaction is stuck.
+        #[arg(long)]
+        from: String,
+        /// The stuck transaction's commit LSN, as shown in the stream's last error.
+        #[arg(long)]
+        lsn: String,
+    },
 }
 
 /// mmctl's entry point.
@@ -127,6 +142,8 @@ pub async fn run(cli: &Cli) -> Result<Output, CtlError> {
         }
         Command::Pause { from, to } => commands::pause(&c, agent, from, to, true).await,
         Command::Resume { from, to } => commands::pause(&c, agent, from, to, false).await,
+        Command::Conflicts { limit } => commands::conflicts(&c, agent, *limit).await,
+        Command::Skip { from, lsn } => commands::skip(&c, agent, from, lsn).await,
     }
 }
 
@@ -144,7 +161,7 @@ fn usage_error(e: &clap::Error) -> ExitCode {
         }
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
             eprintln!(
-                "mmctl: usage: a command is required (init, add-node, status, wait-sync, pause, resume); see mmctl --help"
+                "mmctl: usage: a command is required (init, add-node, status, wait-sync, pause, resume, conflicts, skip); see mmctl --help"
             );
             ExitCode::from(2)
         }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use mm_proto::Lsn;
-use mm_proto::api::{LeaderInfo, NodeInfo};
+use mm_proto::api::{ClusterConflictsResponse, LeaderInfo, NodeInfo};
 use serde::{Deserialize, Serialize};
 
 /// `mmctl status`: the cluster as seen by asking every node.
@@ -32,6 +32,8 @@ pub struct NodeView {
     /// Raft as this node sees it (None when unreachable).
     pub term: Option<u64>,
     pub last_applied_index: Option<u64>,
+    /// Rows in the node's `mm.tombstones` (None when unreachable or not counted yet).
+    pub tombstones: Option<u64>,
 }
 
 /// The stream of `from`'s changes into `to`, as reported by `to`.
@@ -48,7 +50,10 @@ pub struct PairView {
     pub applied_txns: Option<u64>,
     pub applied_rows: Option<u64>,
     pub conflicts_total: Option<u64>,
+    /// Conflicts by PostgreSQL 18 conflict type.
     pub conflicts: BTreeMap<String, u64>,
+    /// Cross-origin changes applied without a conflict.
+    pub routine: Option<u64>,
     pub received_lsn: Option<Lsn>,
     pub applied_lsn: Option<Lsn>,
     pub processed_lsn: Option<Lsn>,
@@ -63,7 +68,7 @@ const ERROR_WIDTH: usize = 60;
 
 pub fn render_status(s: &ClusterStatus) -> String {
     let mut out = String::new();
-    let mut nodes = Table::new(&["", "NAME", "ID", "STATE", "URL", "NOTE"]);
+    let mut nodes = Table::new(&["", "NAME", "ID", "STATE", "TOMBSTONES", "URL", "NOTE"]);
     for n in &s.nodes {
         let note = match (&n.error, n.reachable) {
             (Some(e), _) => format!("unreachable: {}", truncate(e, ERROR_WIDTH)),
@@ -79,6 +84,9 @@ pub fn render_status(s: &ClusterStatus) -> String {
             n.info.name.clone(),
             n.info.id.to_string(),
             n.info.state.to_string(),
+            n.tombstones
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "-".into()),
             n.info.api_url.clone(),
             note,
         ]);
@@ -103,6 +111,7 @@ pub fn render_status(s: &ClusterStatus) -> String {
             "LAG S",
             "APPLIED TXNS",
             "CONFLICTS",
+            "ROUTINE",
             "LAST ERROR",
         ]);
         for p in &s.pairs {
@@ -120,6 +129,7 @@ pub fn render_status(s: &ClusterStatus) -> String {
                     .unwrap_or_else(|| "-".into()),
                 opt(p.applied_txns),
                 opt(p.conflicts_total),
+                opt(p.routine),
                 p.last_error
                     .as_deref()
                     .map(|e| truncate(e, ERROR_WIDTH))
@@ -129,7 +139,104 @@ pub fn render_status(s: &ClusterStatus) -> String {
         let _ = writeln!(out, "\nStreams");
         out.push_str(&pairs.render());
     }
+    let mut by_type = Table::new(&["FROM → TO", "CONFLICTS BY TYPE"]);
+    let mut any = false;
+    for p in s
+        .pairs
+        .iter()
+        .filter(|p| p.conflicts.values().any(|n| *n > 0))
+    {
+        any = true;
+        let types: Vec<String> = p
+            .conflicts
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(t, n)| format!("{t} {n}"))
+            .collect();
+        by_type.row(vec![format!("{} → {}", p.from, p.to), types.join(", ")]);
+    }
+    if any {
+        let _ = writeln!(out, "\nConflicts (mmctl conflicts lists them)");
+        out.push_str(&by_type.render());
+    }
     out
+}
+
+/// Longest key shown in the conflicts table; `--json` has all of it.
+const KEY_WIDTH: usize = 40;
+
+/// `mmctl conflicts`: one line per conflict, newest first, then a warning
+/// per node whose log could not be read.
+pub fn render_conflicts(r: &ClusterConflictsResponse) -> String {
+    let mut out = String::new();
+    if r.conflicts.is_empty() {
+        let _ = writeln!(
+            out,
+            "no conflicts recorded on {}",
+            if r.nodes.is_empty() {
+                "any node".to_owned()
+            } else {
+                r.nodes.join(", ")
+            }
+        );
+    } else {
+        let mut t = Table::new(&[
+            "NODE",
+            "AT",
+            "RELATION",
+            "TYPE",
+            "KEY",
+            "RESOLUTION",
+            "LOCAL ORIGIN/TS",
+            "REMOTE ORIGIN/TS",
+            "LSN",
+        ]);
+        let dash = || "-".to_owned();
+        let version = |origin: &Option<String>, ts: &Option<String>| match (origin, ts) {
+            (None, None) => dash(),
+            (o, t) => format!(
+                "{} {}",
+                o.as_deref().unwrap_or("?"),
+                t.as_deref().map(human_ts).unwrap_or_else(dash)
+            ),
+        };
+        for c in &r.conflicts {
+            t.row(vec![
+                c.node.clone(),
+                human_ts(&c.at),
+                if c.relation.is_empty() {
+                    dash()
+                } else {
+                    c.relation.clone()
+                },
+                c.conflict_type.clone(),
+                c.key
+                    .as_ref()
+                    .map(|k| truncate(&k.to_string(), KEY_WIDTH))
+                    .unwrap_or_else(dash),
+                c.resolution.clone(),
+                version(&c.local_origin, &c.local_commit_ts),
+                version(&c.remote_origin, &c.remote_commit_ts),
+                c.remote_lsn.map(|l| l.to_string()).unwrap_or_else(dash),
+            ]);
+        }
+        out.push_str(&t.render());
+    }
+    for e in &r.errors {
+        let _ = writeln!(
+            out,
+            "warning: {}'s conflict log was not read ({}): {}",
+            e.node,
+            e.api_url,
+            truncate(&e.error, 200)
+        );
+    }
+    out
+}
+
+/// `2026-01-02T03:04:05.123456Z` as `2026-01-02 03:04:05.123456` (UTC).
+fn human_ts(ts: &str) -> String {
+    ts.trim_end_matches('Z').replacen('T', " ", 1)
 }
 
 /// Shortens to `max` characters (not bytes), marking the cut; one line.
@@ -200,6 +307,74 @@ mod tests {
         assert_eq!(lines[0], "  A        BB");
         assert_eq!(lines[1], "  n1 → n2  x");
         assert_eq!(lines[2], "  n10");
+    }
+
+    #[test]
+    fn conflicts_table_and_warnings() {
+        use mm_proto::api::{ConflictRecord, NodeError};
+        let row = ConflictRecord {
+            node: "n2".into(),
+            id: 4,
+            at: "2026-01-02T03:04:05.123456Z".into(),
+            relation: "public.accounts".into(),
+            conflict_type: "update_origin_differs".into(),
+            key: Some(serde_json::json!({"id": 7})),
+            local_origin: Some("n2".into()),
+            local_commit_ts: Some("2026-01-02T03:04:04.000001Z".into()),
+            remote_origin: Some("n1".into()),
+            remote_commit_ts: Some("2026-01-02T03:04:04.5Z".into()),
+            remote_lsn: Some(Lsn(0x1_0000_00A0)),
+            resolution: "apply_remote".into(),
+            local_tuple: None,
+            remote_tuple: None,
+        };
+        let skipped = ConflictRecord {
+            relation: String::new(),
+            conflict_type: "skipped_transaction".into(),
+            key: None,
+            local_origin: None,
+            local_commit_ts: None,
+            resolution: "skipped".into(),
+            ..row.clone()
+        };
+        let r = ClusterConflictsResponse {
+            limit: 20,
+            nodes: vec!["n1".into(), "n2".into()],
+            conflicts: vec![row, skipped],
+            errors: vec![NodeError {
+                node: "n3".into(),
+                api_url: "http://127.0.0.1:3".into(),
+                error: "cannot reach it: connection refused".into(),
+            }],
+        };
+        let text = render_conflicts(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].contains("NODE") && lines[0].contains("REMOTE ORIGIN/TS"));
+        for want in [
+            "n2",
+            "2026-01-02 03:04:05.123456",
+            "public.accounts",
+            "update_origin_differs",
+            r#"{"id":7}"#,
+            "apply_remote",
+            "n2 2026-01-02 03:04:04.000001",
+            "n1 2026-01-02 03:04:04.5",
+            "1/A0",
+        ] {
+            assert!(lines[1].contains(want), "{want} missing: {}", lines[1]);
+        }
+        assert!(lines[2].contains("skipped_transaction") && lines[2].contains("skipped"));
+        assert!(lines[3].starts_with("warning: n3's conflict log was not read"));
+        assert!(lines[3].contains("connection refused"));
+
+        let empty = ClusterConflictsResponse {
+            limit: 20,
+            nodes: vec!["n1".into()],
+            conflicts: vec![],
+            errors: vec![],
+        };
+        assert_eq!(render_conflicts(&empty), "no conflicts recorded on n1\n");
     }
 
     #[test]
