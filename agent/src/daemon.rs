@@ -14,6 +14,15 @@ use crate::status::StatusRegistry;
 use crate::stream::LocalNode;
 
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    run_with(cfg, crate::conflict::ResolverRegistry::builtin()).await
+}
+
+/// Runs the agent with extra Rust resolvers (`rust:NAME` in the config)
+/// registered by the binary that embeds it.
+pub async fn run_with(
+    cfg: AgentConfig,
+    registry: crate::conflict::ResolverRegistry,
+) -> anyhow::Result<()> {
     let name = cfg.node.name.clone();
     // Refuse rather than silently serve plain HTTP when TLS was asked for.
     if cfg.api.tls_cert.is_some() || cfg.api.tls_ca.is_some() {
@@ -21,11 +30,12 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
             "node {name}: api.tls_cert / api.tls_ca are not supported by this version: the API serves plain HTTP; terminate TLS in front of it or remove the keys"
         );
     }
-    if cfg.conflicts.resolver != "last_writer_wins" || !cfg.conflicts.tables.is_empty() {
-        tracing::warn!(
-            "[conflicts] settings are accepted but not applied yet: this version stops a stream on an insert of an existing key and counts updates/deletes of missing rows"
-        );
-    }
+    let resolvers = crate::conflict::TableResolvers::from_config(
+        &registry,
+        &cfg.conflicts.resolver,
+        &cfg.conflicts.tables,
+    )
+    .map_err(|e| anyhow::anyhow!("node {name}: {e}"))?;
     let token: Arc<str> = Arc::from(cfg.token().context("reading api.token_file")?.as_str());
     let password = cfg.password().context("reading postgres.password_file")?;
     let schemas = cfg.replication.schemas.clone();
@@ -73,19 +83,29 @@ pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
     };
     let server = tokio::spawn(api::serve(listener, state));
 
+    let watermarks = Arc::new(crate::watermark::Watermarks::new(&name));
     let local = LocalNode {
         name: name.clone(),
         dsn: cfg.postgres.dsn.clone(),
         password,
         data_dir: cfg.node.data_dir.clone(),
         synchronous_commit: cfg.replication.synchronous_commit.as_str().to_owned(),
-        status,
+        status: Arc::clone(&status),
+        resolvers: Arc::new(resolvers),
+        watermarks: Arc::clone(&watermarks),
     };
+    let watermark_task = tokio::spawn(crate::watermark::run(
+        cfg.postgres.dsn.clone(),
+        local.password.clone(),
+        watermarks,
+        status,
+    ));
     let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
 
     shutdown_signal().await;
     info!(node = %name, "shutting down");
     reconciler.abort();
+    watermark_task.abort();
     server.abort();
     let _ = raft.shutdown().await;
     Ok(())

@@ -13,6 +13,7 @@ pub mod raft;
 // Data plane.
 pub mod apply;
 pub mod cluster;
+pub mod conflict;
 pub mod daemon;
 pub mod metrics;
 pub mod pg;
@@ -20,3 +21,4 @@ pub mod prereq;
 pub mod schema;
 pub mod status;
 pub mod stream;
+pub mod watermark;

@@ -58,9 +58,16 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_pos
                remote_lsn pg_lsn,
                resolution text NOT NULL,
                local_tuple jsonb,
-               remote_tuple jsonb);",
+               remote_tuple jsonb);
+             CREATE INDEX IF NOT EXISTS conflict_log_at ON mm.conflict_log (at);
+             CREATE TABLE IF NOT EXISTS mm.skip_requests (
+               from_node text NOT NULL,
+               commit_lsn pg_lsn NOT NULL,
+               requested_at timestamptz NOT NULL DEFAULT now(),
+               PRIMARY KEY (from_node, commit_lsn));",
         )
         .await?;
+    client.batch_execute(CONFLICT_OBJECTS).await?;
     let list = schemas
         .iter()
         .map(|s| quote_ident(s))
@@ -79,5 +86,135 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_pos
         format!("CREATE PUBLICATION mm FOR TABLES IN SCHEMA {list}")
     };
     client.batch_execute(&sql).await?;
+    // Tables that existed before the agent (or before this version): the
+    // event trigger covers the ones created from now on.
+    client
+        .batch_execute(
+            "SELECT mm.install_tombstone_trigger(c.oid) FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_publication_namespace pn ON pn.pnnspid = c.relnamespace \
+             JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm' \
+             WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition",
+        )
+        .await?;
     Ok(())
 }
+
+/// Objects of conflict handling (see `conflict` for the rules they serve).
+///
+/// Tombstones: one row per deleted key, `(relid, key)`; the row's own xmin
+/// carries the delete's origin and commit timestamp through
+/// `pg_xact_commit_timestamp_origin`, exactly like a live row's does, so
+/// remote deletes (written by the applying transaction, origin `mm_<peer>`,
+/// remote commit timestamp) and local deletes (written by the statement
+/// trigger below, origin 0, local commit timestamp) need no timestamp column.
+/// Keys are jsonb built from typed values (`jsonb_build_object` /
+/// `to_jsonb`) with the portable session settings pinned, so the trigger and
+/// the applier produce identical keys.
+const CONFLICT_OBJECTS: &str = "
+CREATE TABLE IF NOT EXISTS mm.tombstones (
+  relid oid NOT NULL,
+  key jsonb NOT NULL,
+  PRIMARY KEY (relid, key));
+
+-- The columns the applier locates rows by: replica identity index, else primary key.
+CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog AS $fn$
+  SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[], a.attnum))
+    FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+   WHERE i.indexrelid = (SELECT i2.indexrelid FROM pg_index i2
+                          WHERE i2.indrelid = p_rel AND (i2.indisreplident OR i2.indisprimary)
+                            AND i2.indisvalid ORDER BY i2.indisreplident DESC LIMIT 1)
+$fn$;
+
+-- Local deletes leave tombstones: a statement trigger (one run per DELETE
+-- statement, not per row) over the transition table. It does not fire in the
+-- agent's apply sessions (session_replication_role = replica): remote deletes
+-- write their tombstones themselves.
+CREATE OR REPLACE FUNCTION mm.record_local_deletes() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
+SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
+DECLARE
+  cols text[] := mm.key_columns(TG_RELID);
+BEGIN
+  IF cols IS NULL THEN
+    RETURN NULL;
+  END IF;
+  INSERT INTO mm.tombstones (relid, key)
+  SELECT DISTINCT TG_RELID,
+         (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(o)) e WHERE e.key = ANY (cols))
+    FROM mm_old o
+  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones') THEN
+    EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
+  END IF;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION mm.on_create_table() RETURNS event_trigger
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+DECLARE
+  r record;
+BEGIN
+  FOR r IN SELECT c.oid FROM pg_event_trigger_ddl_commands() d
+             JOIN pg_class c ON c.oid = d.objid
+             JOIN pg_publication_namespace pn ON pn.pnnspid = c.relnamespace
+             JOIN pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm'
+            WHERE d.object_type = 'table' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+  LOOP
+    PERFORM mm.install_tombstone_trigger(r.oid);
+  END LOOP;
+END
+$fn$;
+
+DROP EVENT TRIGGER IF EXISTS mm_tombstones;
+CREATE EVENT TRIGGER mm_tombstones ON ddl_command_end
+  WHEN TAG IN ('CREATE TABLE', 'CREATE TABLE AS', 'SELECT INTO')
+  EXECUTE FUNCTION mm.on_create_table();
+
+-- The fast path's test, per row version it is about to change: applying
+-- without the resolver is safe when the version was written by this same
+-- remote transaction, by the same origin (its stream is ordered), has no
+-- known history, or is ROUTINE: the publisher had already applied it (its
+-- watermark for that origin is past the version's commit timestamp) and the
+-- incoming change is later. Anything else goes to the resolver.
+CREATE OR REPLACE FUNCTION mm.routine(
+    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
+RETURNS boolean LANGUAGE plpgsql STABLE SET search_path = pg_catalog AS $fn$
+DECLARE
+  c record;
+  w timestamptz;
+BEGIN
+  IF p_xmin = pg_current_xact_id()::xid THEN
+    RETURN true;
+  END IF;
+  SELECT * INTO c FROM pg_xact_commit_timestamp_origin(p_xmin);
+  IF c.roident = p_origin OR c.timestamp IS NULL THEN
+    RETURN true;
+  END IF;
+  w := p_wm_ts[array_position(p_wm_ids, c.roident)];
+  RETURN w IS NOT NULL AND c.timestamp < w AND c.timestamp < p_ts;
+END
+$fn$;
+
+-- Raised by a fast-path statement that did not change exactly the rows it
+-- had to: the applier rolls the transaction back and applies it again with
+-- conflict detection and resolution (apply/careful.rs).
+CREATE OR REPLACE FUNCTION mm.expect(p_got bigint, p_want bigint) RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+BEGIN
+  IF p_got <> p_want THEN
+    RAISE EXCEPTION USING ERRCODE = 'MM001', MESSAGE = 'mm: conflict, resolving';
+  END IF;
+  RETURN p_got;
+END
+$fn$;
+";

@@ -164,6 +164,9 @@ pub enum ResolverSpec {
         schema: String,
         function: String,
     },
+    /// `rust:NAME`: a Rust resolver registered by the binary that embeds the
+    /// agent (the agent refuses to start when NAME is not registered).
+    Custom(String),
 }
 
 impl FromStr for ResolverSpec {
@@ -179,9 +182,14 @@ impl FromStr for ResolverSpec {
             other => {
                 let bad = || {
                     "must be one of last_writer_wins, first_writer_wins, apply_remote, \
-                     keep_local, error, sql:SCHEMA.FUNC"
+                     keep_local, error, sql:SCHEMA.FUNC, rust:NAME"
                         .to_owned()
                 };
+                if let Some(name) = other.strip_prefix("rust:") {
+                    validate::identifier(name)
+                        .map_err(|reason| format!("rust:NAME needs an identifier; {reason}"))?;
+                    return Ok(ResolverSpec::Custom(name.to_owned()));
+                }
                 let target = other.strip_prefix("sql:").ok_or_else(bad)?;
                 let (schema, function) = target.split_once('.').ok_or_else(bad)?;
                 validate::identifier(schema)
@@ -205,6 +213,7 @@ impl fmt::Display for ResolverSpec {
             ResolverSpec::KeepLocal => f.write_str("keep_local"),
             ResolverSpec::Error => f.write_str("error"),
             ResolverSpec::Sql { schema, function } => write!(f, "sql:{schema}.{function}"),
+            ResolverSpec::Custom(name) => write!(f, "rust:{name}"),
         }
     }
 }

@@ -179,14 +179,27 @@ async fn agent_refuses_unmet_prerequisites_one_line_each() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unique_violation_stops_the_stream_until_fixed_nothing_skipped() -> Result<()> {
     mm_tests::init_tracing();
-    let c = TestCluster::start(&["u1", "u2"], SCHEMA).await?;
+    // The `error` resolver: an insert of an existing key stops the stream
+    // (with every other resolver it is a resolved conflict).
+    let c = TestCluster::start_opts(
+        &["u1", "u2"],
+        SCHEMA,
+        mm_tests::cluster::ClusterOptions {
+            agent_toml: "[conflicts]\nresolver = \"error\"\n".into(),
+            ..Default::default()
+        },
+    )
+    .await?;
     // A row on u2 that is never replicated (written under a replication
     // origin, which `origin 'none'` filters): the incoming insert collides.
+    // The session repairs like an operator would, as a replica (no local
+    // tombstone for the delete below).
     let local = c.pg[1].connect().await?;
     local
         .batch_execute(
             "SELECT pg_replication_origin_create('local_fix');
              SELECT pg_replication_origin_session_setup('local_fix');
+             SET session_replication_role = replica;
              INSERT INTO kv VALUES (7, 'only on u2');",
         )
         .await?;
@@ -201,7 +214,7 @@ async fn unique_violation_stops_the_stream_until_fixed_nothing_skipped() -> Resu
     ] {
         writer.batch_execute(sql).await?;
     }
-    let err = wait_error(&c, "u1", "u2", "23505").await?;
+    let err = wait_error(&c, "u1", "u2", "insert_exists").await?;
     assert!(err.contains("public.kv"), "{err}");
     assert!(err.contains("u1"), "{err}");
     tokio::time::sleep(Duration::from_secs(1)).await;

@@ -1,8 +1,10 @@
 //! Applies remote transactions to the local node. See the module docs of
 //! `apply` for the invariants this file enforces.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
 
 use mm_proto::Lsn;
 use mm_proto::pgoutput::{
@@ -15,6 +17,7 @@ use super::pipeline::{Done, OpKind, OpMeta, Pipeline};
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
 use super::{ApplyFailure, Param};
+use crate::conflict::TableResolvers;
 
 /// Statements in flight per transaction before we wait for replies.
 const PIPELINE_WINDOW: usize = 2048;
@@ -45,10 +48,56 @@ impl ChangeSource for std::vec::IntoIter<Message> {
     }
 }
 
+/// A transaction's changes, readable again: a transaction that meets a
+/// conflict on the fast path is rolled back and applied once more with the
+/// resolver, and so are the ones pipelined behind it.
+pub trait Replayable: Send + Sync {
+    fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure>;
+}
+
+impl Replayable for Vec<Message> {
+    fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure> {
+        Ok(Box::new(self.clone().into_iter()))
+    }
+}
+
+pub type TxnBody = Arc<dyn Replayable>;
+
+/// Who is applying what, and how conflicts are decided.
+#[derive(Clone)]
+pub struct ApplyContext {
+    /// This node's name: the origin of local writes (roident 0).
+    pub local_node: String,
+    /// The publisher's node name.
+    pub peer: String,
+    pub resolvers: Arc<TableResolvers>,
+}
+
 pub struct Applier {
-    client: Arc<Client>,
-    origin: String,
-    relations: HashMap<u32, LocalRelation>,
+    pub(super) client: Arc<Client>,
+    pub(super) origin: String,
+    pub(super) ctx: ApplyContext,
+    /// Local id of the publisher's replication origin.
+    pub(super) peer_roident: u32,
+    /// Local origin ids -> node names (0 is this node).
+    pub(super) origins: HashMap<u32, String>,
+    /// The publisher's latest watermark: per origin node, the newest commit
+    /// timestamp it had applied (see `watermark`).
+    pub(super) watermarks: BTreeMap<String, DateTime<Utc>>,
+    /// The same as parameters of `mm.routine`: origin ids and timestamps.
+    wm_params: (Param, Param),
+    /// Transactions queued and not yet committed, with their changes, in
+    /// order: what `recover` applies again.
+    queued: VecDeque<(TxnMeta, TxnBody)>,
+    /// Commit LSNs of this publisher's transactions an operator asked to skip.
+    skips: HashSet<Lsn>,
+    /// Routine cross-origin changes: counted by `mm.routine` in a session
+    /// setting on the fast path (rolled back with their transaction), and
+    /// here by the careful path.
+    routine_fast: u64,
+    routine_careful: u64,
+    routine_taken: u64,
+    pub(super) relations: HashMap<u32, LocalRelation>,
     begin: Statement,
     advance: Statement,
     commit: Statement,
@@ -56,17 +105,17 @@ pub struct Applier {
     pipe: Option<Pipeline>,
     /// The progress the next queued transaction expects to find stored:
     /// the end of the transaction queued before it.
-    next_expected: Lsn,
+    pub(super) next_expected: Lsn,
     wal_positions: Statement,
     /// End LSN of the last remote transaction committed here.
-    last_applied: Lsn,
+    pub(super) last_applied: Lsn,
     /// (remote position applied, local WAL insert position when it was
     /// sampled): once local WAL is flushed past the second, the first is durable.
     unflushed: VecDeque<(Lsn, Lsn)>,
     durable: Lsn,
 }
 
-fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
+pub(super) fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
     match v {
         ColumnValue::Null => Ok(Param::Null),
         ColumnValue::Text(b) => Ok(Param::Text(b.clone())),
@@ -103,6 +152,7 @@ impl Applier {
         password: Option<&str>,
         origin: &str,
         synchronous_commit: &str,
+        ctx: ApplyContext,
     ) -> Result<(Applier, Lsn), ApplyFailure> {
         let client = crate::pg::connect(dsn, password)
             .await
@@ -160,16 +210,38 @@ impl Applier {
             .map_err(pg)?;
         let wal_positions = client
             .prepare(
-                "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text",
+                "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text, \
+                 pg_catalog.current_setting('mm.routine_changes', true)",
             )
             .await
             .map_err(pg)?;
+        let skip_rows = client
+            .query(
+                "SELECT commit_lsn::text FROM mm.skip_requests WHERE from_node = $1",
+                &[&ctx.peer],
+            )
+            .await
+            .map_err(pg)?;
+        let mut skips = HashSet::new();
+        for r in skip_rows {
+            skips.insert(parse_lsn(r.get(0), "mm.skip_requests.commit_lsn")?);
+        }
         let client = Arc::new(client);
         let mut applier = Applier {
             pipe: Some(Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW)),
             next_expected: start,
             client,
             origin: origin.to_owned(),
+            ctx,
+            peer_roident: 0,
+            origins: HashMap::new(),
+            watermarks: BTreeMap::new(),
+            wm_params: (Param::text("{}".to_owned()), Param::text("{}".to_owned())),
+            queued: VecDeque::new(),
+            skips,
+            routine_fast: 0,
+            routine_careful: 0,
+            routine_taken: 0,
             relations: HashMap::new(),
             begin,
             advance,
@@ -179,10 +251,89 @@ impl Applier {
             unflushed: VecDeque::new(),
             durable: Lsn::INVALID,
         };
+        applier.load_origins().await?;
+        applier.peer_roident = applier
+            .origins
+            .iter()
+            .find(|(id, n)| **id != 0 && **n == applier.ctx.peer)
+            .map(|(id, _)| *id)
+            .ok_or_else(|| {
+                ApplyFailure::new(None, format!("replication origin {origin} vanished"))
+            })?;
         // What we read is committed but, with asynchronous commit, maybe not
         // yet flushed: it only becomes durable through the same gate.
         applier.durable_progress().await?;
         Ok((applier, start))
+    }
+
+    /// Reads the local origin ids of every `mm_<node>` origin.
+    pub(super) async fn load_origins(&mut self) -> Result<(), ApplyFailure> {
+        let rows = self
+            .client
+            .query(
+                "SELECT roident, roname FROM pg_catalog.pg_replication_origin",
+                &[],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        self.origins.clear();
+        self.origins.insert(0, self.ctx.local_node.clone());
+        for r in rows {
+            let id: u32 = r.get(0);
+            let name: String = r.get(1);
+            let node = name.strip_prefix("mm_").map_or(name.clone(), str::to_owned);
+            self.origins.insert(id, node);
+        }
+        Ok(())
+    }
+
+    /// The publisher's watermark, effective for every change queued after
+    /// this call (it arrived in the stream before them).
+    pub async fn set_watermarks(
+        &mut self,
+        wm: BTreeMap<String, DateTime<Utc>>,
+    ) -> Result<(), ApplyFailure> {
+        if wm
+            .keys()
+            .any(|n| !self.origins.values().any(|known| known == n))
+        {
+            self.load_origins().await?;
+        }
+        let mut ids = Vec::new();
+        let mut ts = Vec::new();
+        for (node, t) in &wm {
+            if let Some((id, _)) = self.origins.iter().find(|(_, n)| *n == node) {
+                ids.push(id.to_string());
+                ts.push(format!("\"{}\"", t.format("%Y-%m-%d %H:%M:%S%.6f+00")));
+            }
+        }
+        self.wm_params = (
+            Param::text(format!("{{{}}}", ids.join(","))),
+            Param::text(format!("{{{}}}", ts.join(","))),
+        );
+        self.watermarks = wm;
+        Ok(())
+    }
+
+    /// Routine cross-origin changes applied since the last call.
+    pub fn take_routine(&mut self) -> u64 {
+        let total = self.routine_fast + self.routine_careful;
+        let n = total.saturating_sub(self.routine_taken);
+        self.routine_taken = total;
+        n
+    }
+
+    pub(super) fn count_routine(&mut self) {
+        self.routine_careful += 1;
+    }
+
+    fn guard_params(&self, txn: &TxnMeta) -> [Param; 4] {
+        [
+            Param::text(self.peer_roident.to_string()),
+            Param::text(txn.commit_ts.to_string()),
+            self.wm_params.0.clone(),
+            self.wm_params.1.clone(),
+        ]
     }
 
     /// The highest applied remote position whose local commit is flushed to
@@ -191,6 +342,10 @@ impl Applier {
     /// waiting for the flush position to pass it is the same rule as
     /// PostgreSQL's own get_flush_position, at the granularity of our ticks.
     pub async fn durable_progress(&mut self) -> Result<Lsn, ApplyFailure> {
+        match self.settle(0).await {
+            Err(f) if f.conflict => self.recover(f).await?,
+            r => r?,
+        }
         self.settle(0).await?;
         let row = self
             .client
@@ -199,6 +354,10 @@ impl Applier {
             .map_err(|e| ApplyFailure::from_pg(None, &e))?;
         let insert = parse_lsn(row.get(0), "pg_current_wal_insert_lsn")?;
         let flush = parse_lsn(row.get(1), "pg_current_wal_flush_lsn")?;
+        let routine: Option<String> = row.get(2);
+        if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
+            self.routine_fast = n;
+        }
         if self
             .unflushed
             .back()
@@ -229,14 +388,20 @@ impl Applier {
     /// Queues one remote transaction as one local transaction. It is sent
     /// but not necessarily committed when this returns: finished
     /// transactions come out of `take_done`, failures out of this call or of
-    /// `settle` (carrying the failed transaction).
-    pub async fn apply(
-        &mut self,
-        meta: &TxnMeta,
-        src: &mut dyn ChangeSource,
-    ) -> Result<(), ApplyFailure> {
+    /// `settle` (carrying the failed transaction). A conflict met on the way
+    /// is resolved here (`recover`), not returned.
+    pub async fn apply(&mut self, meta: &TxnMeta, body: TxnBody) -> Result<(), ApplyFailure> {
+        self.queued.push_back((*meta, Arc::clone(&body)));
+        match self.queue_fast(meta, &body).await {
+            Err(f) if f.conflict => self.recover(f).await,
+            r => r,
+        }
+    }
+
+    async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
+        let mut src = body.open()?;
         let mut pipe = self.take_pipe()?;
-        let r = self.queue(&mut pipe, meta, src).await;
+        let r = self.queue(&mut pipe, meta, src.as_mut()).await;
         self.pipe = Some(pipe);
         r.map_err(|mut f| {
             f.txn.get_or_insert(*meta);
@@ -244,6 +409,69 @@ impl Applier {
         })?;
         self.next_expected = meta.end_lsn;
         Ok(())
+    }
+
+    /// A fast-path statement met a conflict in a queued transaction: every
+    /// transaction from that one on rolls back (the progress guard makes the
+    /// later ones fail). Waits them out, applies the conflicting one with
+    /// the resolver (one statement at a time), and queues the rest again.
+    /// Invariant (commit order, exactly-once): the same transactions commit,
+    /// in the same order, each once.
+    pub async fn recover(&mut self, mut failure: ApplyFailure) -> Result<(), ApplyFailure> {
+        loop {
+            let mut pipe = self.take_pipe()?;
+            pipe.drain().await;
+            let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
+            self.pipe = Some(pipe);
+            // Whatever was left open (a transaction queued only in part).
+            self.client
+                .batch_execute("ROLLBACK")
+                .await
+                .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+            let mut pending: VecDeque<(TxnMeta, TxnBody)> = std::mem::take(&mut self.queued)
+                .into_iter()
+                .filter(|(m, _)| !committed.contains(&m.end_lsn))
+                .collect();
+            // What the first pending transaction finds stored: the end of
+            // the last committed one.
+            self.next_expected = committed
+                .last()
+                .copied()
+                .unwrap_or(self.last_applied)
+                .max(self.last_applied);
+            let Some((meta, body)) = pending.pop_front() else {
+                return Ok(());
+            };
+            if failure.txn.is_some_and(|t| t.end_lsn != meta.end_lsn) {
+                tracing::debug!(
+                    failed = ?failure.txn.map(|t| t.commit_lsn),
+                    first = %meta.commit_lsn,
+                    "conflict reported by a later transaction than the first uncommitted one"
+                );
+            }
+            // Kept queued while applied, so it is not lost if this fails.
+            self.queued.push_back((meta, Arc::clone(&body)));
+            self.apply_careful(&meta, &body).await?;
+            self.queued.pop_back();
+            self.next_expected = meta.end_lsn;
+            let mut again = None;
+            for (i, (m, b)) in pending.iter().enumerate() {
+                self.queued.push_back((*m, Arc::clone(b)));
+                if let Err(f) = self.queue_fast(m, b).await {
+                    // The rest stay queued for the next round.
+                    for (m2, b2) in pending.iter().skip(i + 1) {
+                        self.queued.push_back((*m2, Arc::clone(b2)));
+                    }
+                    again = Some(f);
+                    break;
+                }
+            }
+            match again {
+                Some(f) if f.conflict => failure = f,
+                Some(f) => return Err(f),
+                None => return Ok(()),
+            }
+        }
     }
 
     async fn queue(
@@ -257,9 +485,13 @@ impl Applier {
             kind,
             relation: None,
             txn,
+            rows: 0,
         };
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
+        if self.skips.contains(&meta.commit_lsn) {
+            return self.queue_skip(pipe, meta).await;
+        }
         let mut next = src.next_message()?;
         while let Some(msg) = next.take() {
             match msg {
@@ -305,6 +537,22 @@ impl Applier {
             }
             next = src.next_message()?;
         }
+        self.finish_queue(pipe, meta).await
+    }
+
+    /// Records progress (on top of the previous transaction's) and commits.
+    async fn finish_queue(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        let txn = *meta;
+        let control = |kind| OpMeta {
+            kind,
+            relation: None,
+            txn,
+            rows: 0,
+        };
         pipe.push(
             &self.advance.clone(),
             vec![
@@ -318,6 +566,45 @@ impl Applier {
         .await?;
         pipe.push(&self.commit.clone(), Vec::new(), control(OpKind::Commit))
             .await
+    }
+
+    /// `mmctl skip`: the transaction's changes are not applied; its progress
+    /// is, with an audit row in the conflict log, and the request is consumed
+    /// in the same local transaction.
+    async fn queue_skip(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        let txn = *meta;
+        let control = |kind| OpMeta {
+            kind,
+            relation: None,
+            txn,
+            rows: 0,
+        };
+        let audit = Self::prepare_settled(
+            pipe,
+            &self.client,
+            "mm.conflict_log",
+            "WITH r AS (DELETE FROM mm.skip_requests WHERE from_node = $1 AND commit_lsn = $2::pg_lsn) \
+             INSERT INTO mm.conflict_log (relation, conflict_type, remote_origin, remote_commit_ts, remote_lsn, resolution) \
+             VALUES ('', 'skipped_transaction', $1, $3::timestamptz, $2::pg_lsn, 'skipped')",
+        )
+        .await?;
+        pipe.push(
+            &audit,
+            vec![
+                Param::text(self.ctx.peer.clone()),
+                Param::text(meta.commit_lsn.to_string()),
+                Param::text(meta.commit_ts.to_string()),
+            ],
+            control(OpKind::Control),
+        )
+        .await?;
+        tracing::warn!(commit_lsn = %meta.commit_lsn, xid = meta.xid, "skipping the transaction as requested by mmctl skip");
+        self.skips.remove(&meta.commit_lsn);
+        self.finish_queue(pipe, meta).await
     }
 
     fn take_pipe(&mut self) -> Result<Pipeline, ApplyFailure> {
@@ -353,6 +640,12 @@ impl Applier {
         self.pipe.as_ref().map_or(0, Pipeline::in_flight)
     }
 
+    pub(super) fn push_done(&mut self, d: Done) {
+        if let Some(p) = self.pipe.as_mut() {
+            p.done.push_back(d);
+        }
+    }
+
     /// Transactions committed since the last call, in commit order.
     pub fn take_done(&mut self) -> Vec<Done> {
         let done: Vec<Done> = self
@@ -362,11 +655,19 @@ impl Applier {
             .unwrap_or_default();
         if let Some(d) = done.last() {
             self.last_applied = self.last_applied.max(d.meta.end_lsn);
+            // Committed: their changes are no longer needed for a redo.
+            while self
+                .queued
+                .front()
+                .is_some_and(|(m, _)| m.end_lsn <= d.meta.end_lsn)
+            {
+                self.queued.pop_front();
+            }
         }
         done
     }
 
-    fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {
+    pub(super) fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {
         self.relations.get(&oid).ok_or_else(|| {
             ApplyFailure::new(
                 None,
@@ -435,14 +736,22 @@ impl Applier {
         let stmt = match &rel.insert_batch {
             Some(s) => s.clone(),
             None => {
-                let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                let text = sql::insert_rows(&rel.table_sql, &cols, INSERT_BATCH);
+                let text = fast_insert_sql(rel, INSERT_BATCH);
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(oid)?.insert_batch = Some(s.clone());
                 s
             }
         };
-        push_row(pipe, &stmt, params, OpKind::Insert, display, txn).await
+        push_row(
+            INSERT_BATCH as u64,
+            pipe,
+            &stmt,
+            params,
+            OpKind::Insert,
+            display,
+            txn,
+        )
+        .await
     }
 
     async fn insert(
@@ -457,14 +766,13 @@ impl Applier {
         let stmt = match &rel.insert {
             Some(s) => s.clone(),
             None => {
-                let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                let text = sql::insert(&rel.table_sql, &cols);
+                let text = fast_insert_sql(rel, 1);
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(ins.relation_oid)?.insert = Some(s.clone());
                 s
             }
         };
-        push_row(pipe, &stmt, params, OpKind::Insert, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Insert, display, txn).await
     }
 
     async fn update(
@@ -486,7 +794,9 @@ impl Applier {
         }
         let mut params = tuple_params(&upd.new, rel, Some(&set_mask))?;
         let (match_mask, match_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
+        let loc_params = match_params.len();
         params.extend(match_params);
+        params.extend(self.guard_params(&txn));
         let key = (set_mask, match_mask);
         let stmt = match rel.update.get(&key) {
             Some(s) => s.clone(),
@@ -498,7 +808,12 @@ impl Applier {
                     .filter(|(_, skip)| !**skip)
                     .map(|(n, _)| n.as_str())
                     .collect();
-                let text = sql::update(&rel.table_sql, &set_cols, &masked_locator(rel, &key.1));
+                let text = sql::fast_update(
+                    &rel.table_sql,
+                    &set_cols,
+                    &masked_locator(rel, &key.1),
+                    loc_params,
+                );
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
                     .update
@@ -506,7 +821,7 @@ impl Applier {
                 s
             }
         };
-        push_row(pipe, &stmt, params, OpKind::Update, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Update, display, txn).await
     }
 
     async fn delete(
@@ -517,11 +832,19 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
         let display = Arc::clone(&rel.display);
-        let (match_mask, params) = locate(rel, Some(&del.old), None)?;
+        let (match_mask, mut params) = locate(rel, Some(&del.old), None)?;
+        let loc_params = params.len();
+        params.extend(self.guard_params(&txn));
         let stmt = match rel.delete.get(&match_mask) {
             Some(s) => s.clone(),
             None => {
-                let text = sql::delete(&rel.table_sql, &masked_locator(rel, &match_mask));
+                let text = sql::fast_delete(
+                    &rel.table_sql,
+                    &masked_locator(rel, &match_mask),
+                    loc_params,
+                    rel.relid,
+                    rel.key_names().as_deref(),
+                );
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?
                     .delete
@@ -529,7 +852,7 @@ impl Applier {
                 s
             }
         };
-        push_row(pipe, &stmt, params, OpKind::Delete, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Delete, display, txn).await
     }
 
     async fn truncate(
@@ -545,11 +868,24 @@ impl Applier {
         let display: Arc<str> = Arc::from(tables.join(", ").as_str());
         let text = sql::truncate(&tables, t.cascade, t.restart_identity);
         let stmt = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
-        push_row(pipe, &stmt, Vec::new(), OpKind::Truncate, display, txn).await
+        push_row(0, pipe, &stmt, Vec::new(), OpKind::Truncate, display, txn).await
     }
 }
 
-fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {
+fn fast_insert_sql(rel: &LocalRelation, rows: usize) -> String {
+    let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
+    let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
+    sql::fast_insert(
+        &rel.table_sql,
+        &cols,
+        &types,
+        rows,
+        rel.relid,
+        rel.key_names().as_deref(),
+    )
+}
+
+pub(super) fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {
     ApplyFailure::new(
         Some(&*rel.display),
         format!(
@@ -559,7 +895,9 @@ fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn push_row(
+    rows: u64,
     pipe: &mut Pipeline,
     stmt: &Statement,
     params: Vec<Param>,
@@ -571,12 +909,13 @@ async fn push_row(
         kind,
         relation: Some(relation),
         txn,
+        rows,
     };
     pipe.push(stmt, params, meta).await
 }
 
 /// Parameters for every column of `tuple`, skipping those marked in `skip`.
-fn tuple_params(
+pub(super) fn tuple_params(
     tuple: &TupleData,
     rel: &LocalRelation,
     skip: Option<&[bool]>,
@@ -595,7 +934,7 @@ fn tuple_params(
 }
 
 /// The locator restricted to the columns not masked out.
-fn masked_locator(rel: &LocalRelation, mask: &[bool]) -> Locator {
+pub(super) fn masked_locator(rel: &LocalRelation, mask: &[bool]) -> Locator {
     match &rel.locator {
         Locator::Key(k) => Locator::Key(k.clone()),
         Locator::AllColumns(cols) => Locator::AllColumns(
@@ -612,7 +951,7 @@ fn masked_locator(rel: &LocalRelation, mask: &[bool]) -> Locator {
 /// (or, for an update that did not change the key, the new one); or, for
 /// REPLICA IDENTITY FULL without a key, every column of the old row except
 /// unchanged-TOAST ones. Returns (columns left out of the match, params).
-fn locate(
+pub(super) fn locate(
     rel: &LocalRelation,
     old: Option<&OldTuple>,
     new: Option<&TupleData>,

@@ -20,12 +20,13 @@
 //! transaction are pipelined.
 
 mod applier;
+mod careful;
 mod param;
 mod pipeline;
 mod relation;
 pub mod sql;
 
-pub use applier::{Applier, ChangeSource, TxnMeta};
+pub use applier::{Applier, ApplyContext, ChangeSource, Replayable, TxnBody, TxnMeta};
 pub use param::Param;
 pub use pipeline::Done;
 
@@ -39,6 +40,9 @@ pub struct ApplyFailure {
     /// The remote transaction that failed, when known here: with pipelining
     /// it may be an earlier one than the transaction being queued.
     pub txn: Option<TxnMeta>,
+    /// A fast-path statement met a conflict: not an error, the transaction
+    /// is redone with the resolver (`Applier::recover`).
+    pub conflict: bool,
 }
 
 impl ApplyFailure {
@@ -48,6 +52,7 @@ impl ApplyFailure {
             sqlstate: None,
             message: message.into(),
             txn: None,
+            conflict: false,
         }
     }
 
@@ -61,12 +66,14 @@ impl ApplyFailure {
                     None => db.message().to_owned(),
                 },
                 txn: None,
+                conflict: false,
             },
             None => ApplyFailure {
                 relation: relation.map(str::to_owned),
                 sqlstate: None,
                 message: format!("local PostgreSQL: {e}"),
                 txn: None,
+                conflict: false,
             },
         }
     }

@@ -21,6 +21,7 @@ use std::task::{Context, Poll, Waker};
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
+use sync_wrapper::SyncWrapper;
 use tokio_postgres::{Client, Statement};
 
 use super::{ApplyFailure, Param, TxnMeta};
@@ -41,6 +42,9 @@ pub struct OpMeta {
     pub kind: OpKind,
     pub relation: Option<Arc<str>>,
     pub txn: TxnMeta,
+    /// Rows a row statement changes when it succeeds (fast-path statements
+    /// fail unless they change exactly these).
+    pub rows: u64,
 }
 
 type OpFuture = Pin<Box<dyn Future<Output = (OpMeta, Result<u64, tokio_postgres::Error>)> + Send>>;
@@ -50,16 +54,23 @@ type OpFuture = Pin<Box<dyn Future<Output = (OpMeta, Result<u64, tokio_postgres:
 pub struct Done {
     pub meta: TxnMeta,
     pub rows: u64,
-    /// (conflict type, relation) for UPDATE/DELETE that found no row.
-    pub missing: Vec<(&'static str, Arc<str>)>,
+    /// (conflict type, relation) of every true conflict it resolved; all of
+    /// them are also rows of `mm.conflict_log` committed with it.
+    pub conflicts: Vec<(&'static str, Arc<str>)>,
+    /// Changes to rows last written by another origin that were routine
+    /// (the publisher had seen that version), resolved without a resolver.
+    pub routine: u64,
 }
 
 pub struct Pipeline {
     client: Arc<Client>,
-    inflight: FuturesOrdered<OpFuture>,
+    /// Only ever touched through `&mut self`; the wrapper makes the applier
+    /// `Sync` so the careful path can borrow it across awaits.
+    inflight: SyncWrapper<FuturesOrdered<OpFuture>>,
+    /// `inflight`'s length, readable through `&self`.
+    count: usize,
     window: usize,
     rows: u64,
-    missing: Vec<(&'static str, Arc<str>)>,
     pub done: VecDeque<Done>,
 }
 
@@ -67,10 +78,10 @@ impl Pipeline {
     pub fn new(client: Arc<Client>, window: usize) -> Self {
         Pipeline {
             client,
-            inflight: FuturesOrdered::new(),
+            inflight: SyncWrapper::new(FuturesOrdered::new()),
+            count: 0,
             window,
             rows: 0,
-            missing: Vec::new(),
             done: VecDeque::new(),
         }
     }
@@ -98,10 +109,12 @@ impl Pipeline {
         match first {
             Poll::Ready(out) => self
                 .inflight
+                .get_mut()
                 .push_back(Box::pin(std::future::ready(out)) as OpFuture),
-            Poll::Pending => self.inflight.push_back(fut),
+            Poll::Pending => self.inflight.get_mut().push_back(fut),
         }
-        if self.inflight.len() > self.window {
+        self.count = self.inflight.get_mut().len();
+        if self.count > self.window {
             self.settle(self.window / 2).await?;
         }
         Ok(())
@@ -111,35 +124,34 @@ impl Pipeline {
     /// is returned with the transaction it belongs to; the session is
     /// discarded after a failure, so later replies are not waited for.
     pub async fn settle(&mut self, keep: usize) -> Result<(), ApplyFailure> {
-        while self.inflight.len() > keep {
-            let Some((meta, res)) = self.inflight.next().await else {
+        while self.inflight.get_mut().len() > keep {
+            let next = self.inflight.get_mut().next().await;
+            self.count = self.inflight.get_mut().len();
+            let Some((meta, res)) = next else {
                 break;
             };
             match res {
-                Ok(n) => match meta.kind {
-                    OpKind::Insert | OpKind::Update | OpKind::Delete => {
-                        self.rows += n;
-                        if n == 0 && meta.kind != OpKind::Insert {
-                            let ty = if meta.kind == OpKind::Update {
-                                "update_missing"
-                            } else {
-                                "delete_missing"
-                            };
-                            if let Some(rel) = meta.relation.clone() {
-                                self.missing.push((ty, rel));
-                            }
-                        }
-                    }
+                Ok(_) => match meta.kind {
+                    // Fast-path row statements return one row (mm.expect);
+                    // success means they changed exactly `meta.rows`.
+                    OpKind::Insert | OpKind::Update | OpKind::Delete => self.rows += meta.rows,
                     OpKind::Commit => self.done.push_back(Done {
                         meta: meta.txn,
                         rows: std::mem::take(&mut self.rows),
-                        missing: std::mem::take(&mut self.missing),
+                        conflicts: Vec::new(),
+                        routine: 0,
                     }),
                     OpKind::Control | OpKind::Truncate => {}
                 },
                 Err(e) => {
                     let mut f = ApplyFailure::from_pg(meta.relation.as_deref(), &e);
                     f.txn = Some(meta.txn);
+                    // A fast-path row statement refused (MM001) or hit a
+                    // unique key: the transaction needs the resolver.
+                    f.conflict =
+                        matches!(meta.kind, OpKind::Insert | OpKind::Update | OpKind::Delete)
+                            && matches!(f.sqlstate.as_deref(), Some("MM001" | "23505"));
+                    self.rows = 0;
                     return Err(f);
                 }
             }
@@ -148,6 +160,15 @@ impl Pipeline {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.count
+    }
+
+    /// After a failure: waits out every statement still in flight, ignoring
+    /// their results (they all belong to transactions that roll back: the
+    /// failed one, and those queued behind it, whose progress guard fails).
+    pub async fn drain(&mut self) {
+        while self.inflight.get_mut().next().await.is_some() {}
+        self.count = 0;
+        self.rows = 0;
     }
 }

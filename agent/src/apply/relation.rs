@@ -28,6 +28,14 @@ pub struct LocalRelation {
     /// (empty when the table is REPLICA IDENTITY FULL without an index).
     pub key_remote: Vec<usize>,
     pub locator: Locator,
+    /// Local table oid: tombstones are keyed by it.
+    pub relid: u32,
+    /// For each remote column: the local column's type (without typmod, so
+    /// assignment still checks lengths), for casts of text parameters.
+    pub local_types: Vec<String>,
+    /// Unique indexes usable for collision checks (plain columns, not
+    /// partial), as remote column indexes; includes the key index.
+    pub unique_indexes: Vec<Vec<usize>>,
     pub insert: Option<Statement>,
     /// Multi-row INSERT of `INSERT_BATCH` rows.
     pub insert_batch: Option<Statement>,
@@ -41,6 +49,22 @@ pub struct LocalRelation {
 }
 
 impl LocalRelation {
+    /// The key column names (`None` for REPLICA IDENTITY FULL without one).
+    pub fn key_names(&self) -> Option<Vec<&str>> {
+        match &self.locator {
+            Locator::Key(k) => Some(k.iter().map(String::as_str).collect()),
+            Locator::AllColumns(_) => None,
+        }
+    }
+
+    /// Local types of the key columns, in key order.
+    pub fn key_types(&self) -> Vec<&str> {
+        self.key_remote
+            .iter()
+            .map(|&i| self.local_types[i].as_str())
+            .collect()
+    }
+
     /// Looks the relation up in the local catalog. Errors name the relation and
     /// what is missing; the caller adds peer and LSN.
     pub async fn resolve(client: &Client, remote: Relation) -> Result<Self, ApplyFailure> {
@@ -64,22 +88,49 @@ impl LocalRelation {
         let replident: String = row.get(1);
         let cols = client
             .query(
-                "SELECT attname::text FROM pg_catalog.pg_attribute \
+                "SELECT attname::text, pg_catalog.format_type(atttypid, NULL) FROM pg_catalog.pg_attribute \
                  WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
                 &[&oid],
             )
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
-        let local_cols: Vec<String> = cols.iter().map(|r| r.get(0)).collect();
+        let local_cols: Vec<(String, String)> = cols.iter().map(|r| (r.get(0), r.get(1))).collect();
         let mut local_names = Vec::with_capacity(remote.columns.len());
+        let mut local_types = Vec::with_capacity(remote.columns.len());
         for rc in &remote.columns {
-            if !local_cols.iter().any(|c| c == &rc.name) {
+            let Some((_, ty)) = local_cols.iter().find(|(c, _)| c == &rc.name) else {
                 return Err(fail(format!(
                     "table {display} on this node is missing replicated column \"{}\"",
                     rc.name
                 )));
-            }
+            };
             local_names.push(rc.name.clone());
+            local_types.push(ty.clone());
+        }
+        let uniq = client
+            .query(
+                "SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[], a.attnum)) \
+                 FROM pg_catalog.pg_index i \
+                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
+                 WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid AND i.indpred IS NULL \
+                   AND i.indexprs IS NULL \
+                 GROUP BY i.indexrelid ORDER BY i.indexrelid",
+                &[&oid],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
+        let mut unique_indexes = Vec::new();
+        for r in &uniq {
+            let names: Vec<String> = r.get(0);
+            let idx: Option<Vec<usize>> = names
+                .iter()
+                .map(|n| remote.columns.iter().position(|c| &c.name == n))
+                .collect();
+            // An index over a column the publisher does not send cannot be
+            // checked from the incoming row.
+            if let Some(idx) = idx {
+                unique_indexes.push(idx);
+            }
         }
         // Prefer the replica identity index, then the primary key: the same
         // choice PostgreSQL's own apply worker makes.
@@ -123,6 +174,9 @@ impl LocalRelation {
             local_names,
             key_remote,
             locator,
+            relid: oid,
+            local_types,
+            unique_indexes,
             remote,
             insert: None,
             insert_batch: None,

@@ -137,6 +137,218 @@ pub fn truncate(tables: &[String], cascade: bool, restart_identity: bool) -> Str
     s
 }
 
+/// The guard parameters every fast-path UPDATE/DELETE appends after its own:
+/// local origin id of the publisher, remote commit timestamp, watermark origin
+/// ids and timestamps (see `mm.routine` in schema.rs).
+pub const GUARD_PARAMS: usize = 4;
+
+fn guard(first_param: usize) -> String {
+    format!(
+        "mm.routine(xmin, ${}::oid, ${}::timestamptz, ${}::oid[], ${}::timestamptz[])",
+        first_param,
+        first_param + 1,
+        first_param + 2,
+        first_param + 3
+    )
+}
+
+/// `jsonb_build_object('k1', <expr k1>, ...)`: a tombstone key, built from
+/// typed values exactly as `mm.record_local_deletes` builds it from a row.
+pub fn key_json(key_cols: &[&str], expr: impl Fn(usize, &str) -> String) -> String {
+    let mut s = String::from("pg_catalog.jsonb_build_object(");
+    for (i, c) in key_cols.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{}, {}", quote_literal(c), expr(i, c));
+    }
+    s.push(')');
+    s
+}
+
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Fast-path INSERT of `rows` rows: inserts only rows whose key is neither
+/// taken (any unique index) nor tombstoned, and raises `MM001` unless every
+/// row went in, so a conflicting transaction is redone with the resolver.
+/// `types` are the local column types: VALUES needs them to type its params.
+pub fn fast_insert(
+    table: &str,
+    cols: &[&str],
+    types: &[&str],
+    rows: usize,
+    relid: u32,
+    key_cols: Option<&[&str]>,
+) -> String {
+    let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
+    let names = names.join(", ");
+    let mut s = format!("WITH i AS (INSERT INTO {table} ({names}) SELECT v.* FROM (VALUES ");
+    let mut n = 0;
+    for r in 0..rows {
+        if r > 0 {
+            s.push_str(", ");
+        }
+        s.push('(');
+        for (i, ty) in types.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            n += 1;
+            let _ = write!(s, "${n}::{ty}");
+        }
+        s.push(')');
+    }
+    let _ = write!(s, ") v ({names})");
+    if let Some(keys) = key_cols {
+        let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
+        let _ = write!(
+            s,
+            " WHERE NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key})"
+        );
+    }
+    let _ = write!(
+        s,
+        " ON CONFLICT DO NOTHING RETURNING 1) SELECT mm.expect(count(*), {rows}) FROM i"
+    );
+    s
+}
+
+/// Fast-path UPDATE: changes the row only when `mm.routine` says no resolver
+/// is needed; raises `MM001` otherwise (or when the row is missing).
+pub fn fast_update(table: &str, set_cols: &[&str], loc: &Locator, loc_params: usize) -> String {
+    let mut s = update(table, set_cols, loc);
+    let first = set_cols.len() + loc_params + 1;
+    let _ = write!(s, " AND {} RETURNING 1", guard(first));
+    format!("WITH u AS ({s}) SELECT mm.expect(count(*), 1) FROM u")
+}
+
+/// Fast-path DELETE: deletes when `mm.routine` allows and leaves a tombstone
+/// (tables with a key) in the same statement; raises `MM001` otherwise.
+pub fn fast_delete(
+    table: &str,
+    loc: &Locator,
+    loc_params: usize,
+    relid: u32,
+    key_cols: Option<&[&str]>,
+) -> String {
+    let mut s = delete(table, loc);
+    let _ = write!(s, " AND {}", guard(loc_params + 1));
+    match key_cols {
+        Some(keys) => {
+            let ret: Vec<String> = keys.iter().map(|c| quote_ident(c)).collect();
+            let key = key_json(keys, |_, c| format!("d.{}", quote_ident(c)));
+            format!(
+                "WITH d AS ({s} RETURNING {}), tb AS (INSERT INTO mm.tombstones (relid, key) \
+                 SELECT {relid}, {key} FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
+                 SELECT mm.expect(count(*), 1) FROM d",
+                ret.join(", ")
+            )
+        }
+        None => format!("WITH d AS ({s} RETURNING 1) SELECT mm.expect(count(*), 1) FROM d"),
+    }
+}
+
+/// Upserts the tombstone of one key (params `$1..` typed by `types`).
+pub fn tombstone_upsert(relid: u32, key_cols: &[&str], types: &[&str]) -> String {
+    let key = key_json(key_cols, |i, _| format!("${}::{}", i + 1, types[i]));
+    format!(
+        "INSERT INTO mm.tombstones (relid, key) VALUES ({relid}, {key}) \
+         ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid"
+    )
+}
+
+/// The tombstone of one key with its version: (roident, commit timestamp).
+pub fn tombstone_lookup(relid: u32, key_cols: &[&str], types: &[&str]) -> String {
+    let key = key_json(key_cols, |i, _| format!("${}::{}", i + 1, types[i]));
+    format!(
+        "SELECT o.roident, o.\"timestamp\" FROM mm.tombstones tb \
+         LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(tb.xmin) o ON true \
+         WHERE tb.relid = {relid} AND tb.key = {key}"
+    )
+}
+
+/// Locked local rows matching `where_sql` (over alias `r`), each with its
+/// version: ctid, row as jsonb, origin id, commit timestamp, and whether this
+/// transaction wrote it.
+pub fn fetch_rows(table: &str, where_sql: &str) -> String {
+    format!(
+        "SELECT r.ctid::text, pg_catalog.to_jsonb(r), o.roident, o.\"timestamp\", \
+         r.xmin = pg_catalog.pg_current_xact_id()::xid \
+         FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) o ON true \
+         WHERE {where_sql} FOR UPDATE OF r"
+    )
+}
+
+/// WHERE text over alias `r` for a locator, params from `first_param`.
+pub fn where_alias(loc: &Locator, first_param: usize) -> String {
+    let mut s = String::new();
+    match loc {
+        Locator::Key(cols) => {
+            for (i, c) in cols.iter().enumerate() {
+                if i > 0 {
+                    s.push_str(" AND ");
+                }
+                let _ = write!(s, "r.{} = ${}", quote_ident(c), first_param + i);
+            }
+        }
+        Locator::AllColumns(cols) => {
+            for (i, c) in cols.iter().enumerate() {
+                if i > 0 {
+                    s.push_str(" AND ");
+                }
+                let _ = write!(
+                    s,
+                    "r.{} IS NOT DISTINCT FROM ${}",
+                    quote_ident(c),
+                    first_param + i
+                );
+            }
+            if cols.is_empty() {
+                s.push_str("true");
+            }
+        }
+    }
+    s
+}
+
+/// A tuple as jsonb, typed like the local columns: `to_jsonb` of a row of
+/// casts, so it reads exactly like a local row's jsonb.
+pub fn row_json(cols: &[&str], types: &[&str]) -> String {
+    let mut s = String::from("SELECT pg_catalog.to_jsonb(x) FROM (SELECT ");
+    for (i, (c, ty)) in cols.iter().zip(types).enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "${}::{} AS {}", i + 1, ty, quote_ident(c));
+    }
+    s.push_str(") x");
+    s
+}
+
+/// Inserts the row given as jsonb `$1` (a resolver's merged row).
+pub fn insert_json(table: &str, cols: &[&str]) -> String {
+    let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
+    let names = names.join(", ");
+    format!(
+        "INSERT INTO {table} ({names}) SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)"
+    )
+}
+
+/// Overwrites the row at ctid `$2` with the jsonb row `$1`.
+pub fn update_json(table: &str, cols: &[&str]) -> String {
+    let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
+    let names = names.join(", ");
+    format!(
+        "UPDATE {table} SET ({names}) = (SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)) WHERE ctid = $2::tid"
+    )
+}
+
+pub fn delete_ctid(table: &str) -> String {
+    format!("DELETE FROM {table} WHERE ctid = $1::tid")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

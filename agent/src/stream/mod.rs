@@ -26,8 +26,9 @@ use mm_proto::pgoutput::{Begin, Message, StreamTracker};
 use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::apply::{Applier, ApplyFailure, Done, TxnMeta};
+use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, TxnBody, TxnMeta};
 use crate::status::StatusRegistry;
+use crate::watermark::{self, Announcement};
 use spool::Spool;
 
 pub use supervisor::{StreamHandle, spawn_stream};
@@ -45,6 +46,8 @@ pub struct LocalNode {
     pub data_dir: PathBuf,
     pub synchronous_commit: String,
     pub status: Arc<StatusRegistry>,
+    pub resolvers: Arc<crate::conflict::TableResolvers>,
+    pub watermarks: Arc<crate::watermark::Watermarks>,
 }
 
 /// The publisher side of a stream.
@@ -99,6 +102,11 @@ struct Progress {
     applied: Lsn,
     /// Everything of the publisher's below this is applied here.
     processed: Lsn,
+    /// End of the last transaction handed to the applier.
+    last_queued: Lsn,
+    /// The publisher's latest watermark, effective for tombstone purging
+    /// once everything queued before it has committed (see `watermark`).
+    pending_watermark: Option<(Lsn, Announcement)>,
 }
 
 /// Connects and streams until an error or cancellation (the caller drops us).
@@ -125,6 +133,11 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         local.password.as_deref(),
         &origin,
         &local.synchronous_commit,
+        ApplyContext {
+            local_node: local.name.clone(),
+            peer: peer.name.clone(),
+            resolvers: Arc::clone(&local.resolvers),
+        },
     )
     .await
     .map_err(local_err)?;
@@ -166,7 +179,10 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         received: start,
         applied: start,
         processed: start,
+        last_queued: start,
+        pending_watermark: None,
     };
+    local.watermarks.forget(&peer.name);
     status.update(&peer.name, |s| {
         s.state = StreamState::Streaming;
         s.applied_lsn = Some(start);
@@ -185,14 +201,18 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             // Replies of pipelined transactions, consumed as they come so
             // status and wait-sync see commits promptly.
             r = applier.settle_next(), if applier.in_flight() > 0 => {
-                r.map_err(|f| apply_err(&pname, None, f))?;
-                finished(&mut applier, status, &pname, &mut progress);
+                match r {
+                    Err(f) if f.conflict => applier.recover(f).await,
+                    r => r,
+                }
+                .map_err(|f| apply_err(&pname, None, f))?;
+                finished(&mut applier, local, &pname, &mut progress);
                 continue;
             }
             _ = ticker.tick() => {
                 let idle = current.is_none();
                 send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
-                finished(&mut applier, status, &pname, &mut progress);
+                finished(&mut applier, local, &pname, &mut progress);
                 publish(status, &peer.name, &progress, current.is_none());
                 continue;
             }
@@ -264,9 +284,10 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             end_lsn: c.end_lsn,
                             commit_ts: c.commit_timestamp,
                         };
-                        let mut src = msgs.into_iter();
-                        apply_one(&mut applier, &pname, &meta, &mut src).await?;
-                        finished(&mut applier, status, &pname, &mut progress);
+                        let body: TxnBody = Arc::new(msgs);
+                        apply_one(&mut applier, &pname, &meta, body).await?;
+                        progress.last_queued = meta.end_lsn;
+                        finished(&mut applier, local, &pname, &mut progress);
                     }
                     Message::StreamStart(s) => {
                         if s.first_segment {
@@ -289,16 +310,15 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             peer: pname.clone(),
                             source,
                         })?;
-                        match reader {
-                            // Spool reads are buffered (1 MiB) sequential file
-                            // reads, mostly from the page cache.
-                            Some(mut r) => apply_one(&mut applier, &pname, &meta, &mut r).await?,
-                            None => {
-                                let mut empty = Vec::new().into_iter();
-                                apply_one(&mut applier, &pname, &meta, &mut empty).await?
-                            }
-                        }
-                        finished(&mut applier, status, &pname, &mut progress);
+                        // Spool reads are buffered (1 MiB) sequential file
+                        // reads, mostly from the page cache.
+                        let body: TxnBody = match reader {
+                            Some(r) => Arc::new(r),
+                            None => Arc::new(Vec::<Message>::new()),
+                        };
+                        apply_one(&mut applier, &pname, &meta, body).await?;
+                        progress.last_queued = meta.end_lsn;
+                        finished(&mut applier, local, &pname, &mut progress);
                     }
                     Message::StreamAbort(a) => {
                         spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
@@ -331,6 +351,23 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                     }
                     Message::Relation(r) if current.is_none() => {
                         applier.relation(r).await.map_err(local_err)?;
+                    }
+                    Message::Message(m) if current.is_none() && m.prefix == watermark::PREFIX => {
+                        match Announcement::decode(&m.content) {
+                            Ok(a) if a.node == peer.name => {
+                                applier
+                                    .set_watermarks(a.applied.clone())
+                                    .await
+                                    .map_err(local_err)?;
+                                progress.pending_watermark = Some((progress.last_queued, a));
+                                finished(&mut applier, local, &pname, &mut progress);
+                            }
+                            // Relayed or foreign: not this publisher's word.
+                            Ok(_) => {}
+                            Err(e) => {
+                                warn!(lsn = %wal_start, error = %e, "ignoring a malformed watermark")
+                            }
+                        }
                     }
                     Message::Origin(_) | Message::Message(_) | Message::Type(_)
                         if current.is_none() => {}
@@ -396,7 +433,7 @@ async fn apply_one(
     applier: &mut Applier,
     peer: &str,
     meta: &TxnMeta,
-    src: &mut dyn crate::apply::ChangeSource,
+    src: TxnBody,
 ) -> Result<(), StreamError> {
     let span = tracing::debug_span!("txn", xid = meta.xid, lsn = %meta.commit_lsn);
     debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, end_lsn = %meta.end_lsn, "applying");
@@ -408,9 +445,24 @@ async fn apply_one(
 }
 
 /// Accounts for every transaction whose local commit has been confirmed.
-fn finished(applier: &mut Applier, status: &StatusRegistry, peer: &str, progress: &mut Progress) {
+fn finished(applier: &mut Applier, local: &LocalNode, peer: &str, progress: &mut Progress) {
     for done in applier.take_done() {
-        committed(status, peer, progress, &done);
+        committed(&local.status, peer, progress, &done);
+        if let Some(ts) = done.meta.commit_ts.to_datetime() {
+            local.watermarks.applied(peer, ts);
+        }
+    }
+    let routine = applier.take_routine();
+    if routine > 0 {
+        local.status.update(peer, |s| s.routine += routine);
+    }
+    if progress
+        .pending_watermark
+        .as_ref()
+        .is_some_and(|(lsn, _)| progress.applied >= *lsn)
+        && let Some((_, a)) = progress.pending_watermark.take()
+    {
+        local.watermarks.set_effective(peer, a.applied);
     }
 }
 
@@ -418,11 +470,6 @@ fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done:
     let meta = &done.meta;
     progress.applied = progress.applied.max(meta.end_lsn);
     progress.processed = progress.processed.max(meta.end_lsn);
-    for (ty, rel) in &done.missing {
-        // Counted and logged like PostgreSQL does; the conflicts work
-        // decides these properly.
-        warn!(conflict = ty, relation = %rel, lsn = %meta.commit_lsn, "row to change not found");
-    }
     let lag = meta
         .commit_ts
         .to_datetime()
@@ -434,7 +481,8 @@ fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done:
         s.processed_lsn = Some(progress.processed);
         s.received_lsn = Some(progress.received);
         s.lag_seconds = lag;
-        for (ty, _) in &done.missing {
+        s.routine += done.routine;
+        for (ty, _) in &done.conflicts {
             *s.conflicts.entry((*ty).to_owned()).or_default() += 1;
         }
     });

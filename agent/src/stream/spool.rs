@@ -110,7 +110,7 @@ impl Spool {
 
     /// STREAM COMMIT: hands out the transaction's changes for applying. `None`
     /// when nothing was spooled (an empty streamed transaction).
-    pub fn take(&mut self, xid: u32) -> io::Result<Option<SpoolReader>> {
+    pub fn take(&mut self, xid: u32) -> io::Result<Option<SpooledTxn>> {
         let Some(f) = self.open.remove(&xid) else {
             return Ok(None);
         };
@@ -119,23 +119,50 @@ impl Spool {
         } = f;
         let file = writer.into_inner().map_err(|e| e.into_error())?;
         drop(file);
-        let file = File::open(&path)?;
-        Ok(Some(SpoolReader {
-            path,
-            reader: BufReader::with_capacity(1 << 20, file.take(len)),
+        Ok(Some(SpooledTxn { path, len }))
+    }
+}
+
+/// A committed streamed transaction on disk. It can be read more than once
+/// (a transaction that meets a conflict is applied again with the resolver);
+/// the file is removed when the last handle is dropped, i.e. once the
+/// transaction is committed locally or the stream stops.
+#[derive(Debug)]
+pub struct SpooledTxn {
+    path: PathBuf,
+    len: u64,
+}
+
+impl SpooledTxn {
+    pub fn reader(&self) -> io::Result<SpoolReader> {
+        let file = File::open(&self.path)?;
+        Ok(SpoolReader {
+            reader: BufReader::with_capacity(1 << 20, file.take(self.len)),
             ctx: DecodeContext {
                 protocol_version: 4,
                 in_stream_block: true,
                 parallel_streaming: false,
             },
-        }))
+        })
     }
 }
 
-/// Reads a committed streamed transaction back, one message at a time; the
-/// file is removed when the reader is dropped.
+impl crate::apply::Replayable for SpooledTxn {
+    fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure> {
+        self.reader()
+            .map(|r| Box::new(r) as Box<dyn ChangeSource>)
+            .map_err(|e| ApplyFailure::new(None, format!("reopening spooled transaction: {e}")))
+    }
+}
+
+impl Drop for SpooledTxn {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Reads a committed streamed transaction back, one message at a time.
 pub struct SpoolReader {
-    path: PathBuf,
     reader: BufReader<std::io::Take<File>>,
     ctx: DecodeContext,
 }
@@ -155,12 +182,6 @@ impl ChangeSource for SpoolReader {
         decode(Bytes::from(buf), &self.ctx)
             .map(Some)
             .map_err(|e| ApplyFailure::new(None, format!("decoding spooled message: {e}")))
-    }
-}
-
-impl Drop for SpoolReader {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -206,11 +227,13 @@ mod tests {
         s.append(10, 10, &insert(10, "d")).unwrap();
         s.append(20, 20, &insert(20, "other")).unwrap();
         s.abort(20, 20).unwrap();
-        let mut r = s.take(10).unwrap().unwrap();
-        assert_eq!(read_all(&mut r), vec!["a", "d"]);
+        let t = s.take(10).unwrap().unwrap();
+        assert_eq!(read_all(&mut t.reader().unwrap()), vec!["a", "d"]);
+        // Readable again (a redo after a conflict), removed with the handle.
+        assert_eq!(read_all(&mut t.reader().unwrap()), vec!["a", "d"]);
         assert!(s.take(20).unwrap().is_none());
-        let path = r.path.clone();
-        drop(r);
+        let path = t.path.clone();
+        drop(t);
         assert!(!path.exists());
     }
 }

@@ -1,0 +1,284 @@
+//! Watermarks: how a node learns what a peer had already seen when it made a
+//! change, and when a tombstone can go.
+//!
+//! Every agent announces, in its own WAL, the newest commit timestamp it has
+//! applied from each origin: a non-transactional logical message (prefix
+//! `mm.watermark`), written by an ordinary session (no replication origin),
+//! so `origin 'none'` lets it through to every peer. Decoding emits it at its
+//! WAL position, between the publisher's commits, so on the receiving side
+//! every change that follows it in the stream was committed after the
+//! announced versions were applied on the publisher:
+//!
+//! - Classification (`mm.routine`, `apply::careful`): a change from P to a
+//!   row version (origin X, ts t) with P's watermark for X past t could see
+//!   that version: a routine cross-origin change, counted but neither
+//!   resolved nor logged. Anything else is a true conflict.
+//! - Tombstone purge: once every peer P has announced a watermark for the
+//!   delete's origin past the delete (and we have applied P's stream up to
+//!   that announcement), no change that could be older than the delete can
+//!   still arrive from anyone; the tombstone is dropped.
+//!
+//! Timestamps are compared with a safety margin for the purge (commit
+//! timestamps of concurrent commits on one node may be out of commit order by
+//! microseconds).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, warn};
+
+use crate::status::StatusRegistry;
+
+pub const PREFIX: &str = "mm.watermark";
+const EMIT_EVERY: Duration = Duration::from_millis(200);
+/// Re-announced even when unchanged, so restarted streams learn it.
+const REFRESH_EVERY: Duration = Duration::from_secs(2);
+const PURGE_EVERY: Duration = Duration::from_secs(5);
+const PURGE_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Announcement {
+    pub node: String,
+    pub applied: BTreeMap<String, DateTime<Utc>>,
+}
+
+impl Announcement {
+    pub fn decode(content: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(content).map_err(|e| format!("malformed watermark: {e}"))
+    }
+}
+
+/// Shared by the stream tasks (writers) and the emitter/purge task.
+#[derive(Debug, Default)]
+pub struct Watermarks {
+    local: String,
+    /// Newest commit timestamp applied here, per origin node.
+    applied: Mutex<BTreeMap<String, DateTime<Utc>>>,
+    /// Per peer, its latest announcement whose preceding transactions are
+    /// all committed here.
+    effective: Mutex<BTreeMap<String, BTreeMap<String, DateTime<Utc>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl Watermarks {
+    pub fn new(local: &str) -> Self {
+        Watermarks {
+            local: local.to_owned(),
+            ..Default::default()
+        }
+    }
+
+    /// A transaction from `origin` committed here.
+    pub fn applied(&self, origin: &str, ts: DateTime<Utc>) {
+        let mut g = lock(&self.applied);
+        let e = g.entry(origin.to_owned()).or_insert(ts);
+        if *e < ts {
+            *e = ts;
+        }
+    }
+
+    pub fn set_effective(&self, peer: &str, a: BTreeMap<String, DateTime<Utc>>) {
+        lock(&self.effective).insert(peer.to_owned(), a);
+    }
+
+    pub fn forget(&self, peer: &str) {
+        lock(&self.effective).remove(peer);
+    }
+
+    fn announcement(&self) -> Announcement {
+        Announcement {
+            node: self.local.clone(),
+            applied: lock(&self.applied).clone(),
+        }
+    }
+
+    /// Per origin node: tombstones of deletes committed before this can go.
+    /// `peers` are the nodes streaming into this one.
+    pub fn purge_cutoffs(&self, peers: &[String]) -> BTreeMap<String, DateTime<Utc>> {
+        let eff = lock(&self.effective);
+        let applied = lock(&self.applied);
+        let mut out = BTreeMap::new();
+        let mut origins: Vec<&String> = peers.iter().collect();
+        origins.push(&self.local);
+        'origin: for x in origins {
+            let mut cutoff: Option<DateTime<Utc>> = None;
+            for p in peers.iter().filter(|p| *p != x) {
+                let Some(w) = eff.get(p).and_then(|m| m.get(x)) else {
+                    continue 'origin;
+                };
+                cutoff = Some(cutoff.map_or(*w, |c| c.min(*w)));
+            }
+            // No other peer can send anything older than a delete of x's
+            // that x itself sent before its later changes.
+            let cutoff = match cutoff {
+                Some(c) => c,
+                None => match applied.get(x) {
+                    Some(a) => *a,
+                    None => continue,
+                },
+            };
+            out.insert(x.clone(), cutoff - PURGE_MARGIN);
+        }
+        out
+    }
+}
+
+/// Announces this node's watermarks and purges tombstones, until dropped.
+pub async fn run(
+    dsn: String,
+    password: Option<String>,
+    wm: Arc<Watermarks>,
+    status: Arc<StatusRegistry>,
+) {
+    loop {
+        if let Err(e) = run_once(&dsn, password.as_deref(), &wm, &status).await {
+            warn!(error = %e, "watermark/tombstone task: restarting in 2 s");
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+async fn run_once(
+    dsn: &str,
+    password: Option<&str>,
+    wm: &Watermarks,
+    status: &StatusRegistry,
+) -> anyhow::Result<()> {
+    let client = crate::pg::connect(dsn, password).await?;
+    let emit = client
+        .prepare("SELECT pg_catalog.pg_logical_emit_message(false, 'mm.watermark', $1::text)::text")
+        .await?;
+    let mut last: Option<Announcement> = None;
+    let mut last_emit = tokio::time::Instant::now();
+    let mut last_purge = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(EMIT_EVERY);
+    loop {
+        tick.tick().await;
+        let a = wm.announcement();
+        let changed = last.as_ref() != Some(&a);
+        if !a.applied.is_empty() && (changed || last_emit.elapsed() >= REFRESH_EVERY) {
+            let text = serde_json::to_string(&a)?;
+            client.query_one(&emit, &[&text]).await?;
+            last = Some(a);
+            last_emit = tokio::time::Instant::now();
+        }
+        if last_purge.elapsed() >= PURGE_EVERY {
+            last_purge = tokio::time::Instant::now();
+            let peers: Vec<String> = status.snapshot().into_iter().map(|s| s.from).collect();
+            purge(&client, wm, &peers, status).await?;
+        }
+    }
+}
+
+async fn purge(
+    client: &tokio_postgres::Client,
+    wm: &Watermarks,
+    peers: &[String],
+    status: &StatusRegistry,
+) -> anyhow::Result<()> {
+    let cutoffs = wm.purge_cutoffs(peers);
+    let origins = client
+        .query(
+            "SELECT roident, roname FROM pg_catalog.pg_replication_origin",
+            &[],
+        )
+        .await?;
+    let mut ids: Vec<u32> = Vec::new();
+    let mut ts: Vec<DateTime<Utc>> = Vec::new();
+    for (node, cut) in &cutoffs {
+        let id = if *node == wm.local {
+            Some(0)
+        } else {
+            origins
+                .iter()
+                .find(|r| r.get::<_, String>(1) == crate::stream::names::origin_name(node))
+                .map(|r| r.get::<_, u32>(0))
+        };
+        if let Some(id) = id {
+            ids.push(id);
+            ts.push(*cut);
+        }
+    }
+    if !ids.is_empty() {
+        let n = client
+            .execute(
+                "DELETE FROM mm.tombstones tb WHERE (SELECT o.\"timestamp\" < c.cutoff \
+                 FROM pg_catalog.pg_xact_commit_timestamp_origin(tb.xmin) o \
+                 JOIN unnest($1::oid[], $2::timestamptz[]) AS c(id, cutoff) ON c.id = o.roident)",
+                &[&ids, &ts],
+            )
+            .await?;
+        if n > 0 {
+            debug!(purged = n, "tombstones every node has applied past");
+        }
+    }
+    let count: i64 = client
+        .query_one("SELECT count(*) FROM mm.tombstones", &[])
+        .await?
+        .get(0);
+    status.set_tombstones(count.max(0) as u64);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn t(s: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_800_000_000 + s, 0)
+            .single()
+            .expect("valid")
+    }
+
+    #[test]
+    fn purge_waits_for_every_other_peer() {
+        let wm = Watermarks::new("a");
+        let peers = vec!["b".to_owned(), "c".to_owned()];
+        // Nobody announced anything: nothing may go.
+        assert!(wm.purge_cutoffs(&peers).is_empty());
+        wm.set_effective(
+            "b",
+            [("a".to_owned(), t(10)), ("c".to_owned(), t(20))].into(),
+        );
+        // c has not announced: a's and b's deletes stay; c's deletes need
+        // only b's word (c's own later changes follow its delete).
+        let cut = wm.purge_cutoffs(&peers);
+        assert_eq!(cut.get("c"), Some(&(t(20) - PURGE_MARGIN)));
+        assert!(!cut.contains_key("a"));
+        wm.set_effective("c", [("a".to_owned(), t(5)), ("b".to_owned(), t(7))].into());
+        let cut = wm.purge_cutoffs(&peers);
+        assert_eq!(cut.get("a"), Some(&(t(5) - PURGE_MARGIN)));
+        assert_eq!(cut.get("b"), Some(&(t(7) - PURGE_MARGIN)));
+    }
+
+    #[test]
+    fn two_nodes_purge_up_to_what_was_applied() {
+        let wm = Watermarks::new("a");
+        let peers = vec!["b".to_owned()];
+        wm.applied("b", t(3));
+        let cut = wm.purge_cutoffs(&peers);
+        assert_eq!(cut.get("b"), Some(&(t(3) - PURGE_MARGIN)));
+        assert!(!cut.contains_key("a"));
+    }
+
+    #[test]
+    fn announcements_round_trip_and_reject_garbage() {
+        let a = Announcement {
+            node: "n1".into(),
+            applied: [("n2".to_owned(), t(1))].into(),
+        };
+        let bytes = serde_json::to_vec(&a).expect("serializable");
+        assert_eq!(Announcement::decode(&bytes), Ok(a));
+        assert!(Announcement::decode(b"\xff{").is_err());
+    }
+}
