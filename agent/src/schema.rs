@@ -184,11 +184,11 @@ CREATE EVENT TRIGGER mm_tombstones ON ddl_command_end
 -- without the resolver is safe when the version was written by this same
 -- remote transaction, by the same origin (its stream is ordered), has no
 -- known history, or is ROUTINE: the publisher had already applied it (its
--- watermark for that origin is past the version's commit timestamp) and the
+-- watermark for that origin has reached the version's commit timestamp) and the
 -- incoming change is later. Anything else goes to the resolver.
 CREATE OR REPLACE FUNCTION mm.routine(
     p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
-RETURNS boolean LANGUAGE plpgsql STABLE SET search_path = pg_catalog AS $fn$
+RETURNS boolean LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog AS $fn$
 DECLARE
   c record;
   w timestamptz;
@@ -201,7 +201,14 @@ BEGIN
     RETURN true;
   END IF;
   w := p_wm_ts[array_position(p_wm_ids, c.roident)];
-  RETURN w IS NOT NULL AND c.timestamp < w AND c.timestamp < p_ts;
+  IF w IS NOT NULL AND c.timestamp <= w AND c.timestamp < p_ts THEN
+    -- Counted for status; a session setting, so a rolled-back
+    -- transaction's changes are not counted.
+    PERFORM set_config('mm.routine_changes',
+      (coalesce(nullif(current_setting('mm.routine_changes', true), ''), '0')::bigint + 1)::text, false);
+    RETURN true;
+  END IF;
+  RETURN false;
 END
 $fn$;
 

@@ -320,7 +320,7 @@ impl Applier {
         let node = self.origin_name(v).unwrap_or_default();
         self.watermarks
             .get(&node)
-            .is_some_and(|w| ts < *w && ts < remote_ts)
+            .is_some_and(|w| ts <= *w && ts < remote_ts)
     }
 
     /// Counts a no-conflict change to another origin's version as routine.

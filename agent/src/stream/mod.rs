@@ -225,14 +225,24 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         match msg {
             ServerMessage::PrimaryKeepalive {
                 wal_end,
+                send_time,
                 reply_requested,
-                ..
             } => {
                 progress.received = progress.received.max(wal_end);
                 // Every transaction sent before this keepalive has been
                 // received and, when none is open or unanswered, applied.
-                if current.is_none() && applier.in_flight() == 0 {
+                if current.is_none() && stream_xid.is_none() && applier.in_flight() == 0 {
                     progress.processed = progress.processed.max(wal_end);
+                    // Caught up: every commit of the publisher's from before
+                    // this keepalive's send time (less a margin for commit
+                    // timestamps taken just before their WAL record) is
+                    // applied here. Lets idle origins and rows that predate
+                    // replication count as seen in our watermark.
+                    if let Some(t) = mm_proto::pgoutput::PgTimestamp(send_time).to_datetime() {
+                        local
+                            .watermarks
+                            .applied(&peer.name, t - chrono::Duration::seconds(1));
+                    }
                 }
                 if reply_requested {
                     let idle = current.is_none();
@@ -513,12 +523,17 @@ async fn send_feedback(
     peer: &str,
 ) -> Result<(), StreamError> {
     let peer = peer.to_owned();
+    // Waiting for replies may surface a failed (or conflicting and then
+    // unresolvable) transaction: name it like any apply failure.
     let durable = applier
         .durable_progress()
         .await
-        .map_err(|failure| StreamError::Local {
-            peer: peer.clone(),
-            failure: Box::new(failure),
+        .map_err(|failure| match failure.txn {
+            Some(_) => apply_err(&peer, None, failure),
+            None => StreamError::Local {
+                peer: peer.clone(),
+                failure: Box::new(failure),
+            },
         })?;
     let flush = if idle && durable >= p.applied {
         durable.max(p.processed)
