@@ -390,4 +390,32 @@ mod tests {
             "TRUNCATE \"public\".\"acc\" RESTART IDENTITY CASCADE"
         );
     }
+
+    #[test]
+    fn fast_path_statements_fold_the_conflict_checks_in() {
+        let t = qualified("public", "acc");
+        let ins = fast_insert(&t, &["id", "v"], &["integer", "text"], 2, 42, Some(&["id"]));
+        assert_eq!(
+            ins,
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
+             WHERE NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
+             ON CONFLICT DO NOTHING RETURNING 1) SELECT mm.expect(count(*), 2) FROM i"
+        );
+        let key = Locator::Key(vec!["id".into()]);
+        assert_eq!(
+            fast_update(&t, &["v"], &key, 1),
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) RETURNING 1) SELECT mm.expect(count(*), 1) FROM u"
+        );
+        assert_eq!(
+            fast_delete(&t, &key, 1, 42, Some(&["id"])),
+            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) RETURNING \"id\"), \
+             tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('id', d.\"id\") FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
+             SELECT mm.expect(count(*), 1) FROM d"
+        );
+        // A quote in a key column name stays inside the literal.
+        assert_eq!(
+            key_json(&["it's"], |_, _| "$1".into()),
+            "pg_catalog.jsonb_build_object('it''s', $1)"
+        );
+    }
 }
