@@ -4,9 +4,11 @@
 # mm/native. Builds RELEASE binaries (a debug agent would measure the
 # compiler, not the design) and runs mm-bench with them.
 #
-#   scripts/bench.sh                 # full run: 200k rows per workload, 25 s TPC-B
+#   scripts/bench.sh                 # full run: 200k rows per workload, 25 s TPC-B,
+#                                    # the conflicts workload (disjoint vs hot keys)
 #   scripts/bench.sh --quick         # ~1 minute smoke run
 #   scripts/bench.sh --rows 50000 --only 1,2
+#   scripts/bench.sh conflicts       # only the conflicts workload (= --only 5), < 1 minute
 #
 # Arguments go to mm-bench (see `scripts/bench.sh --help`). Environment:
 # MM_PG_BIN (use that PostgreSQL), MM_BENCH_<FLAG> defaults for every flag.

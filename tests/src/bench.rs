@@ -42,10 +42,13 @@ CREATE TABLE bench_accounts (aid int PRIMARY KEY, bid int NOT NULL, abalance big
 CREATE TABLE bench_history (node int NOT NULL, hid bigserial, tid int, bid int, aid int, delta int,
                             mtime timestamp, filler char(22), PRIMARY KEY (node, hid));
 CREATE TABLE bench_heartbeat (node int PRIMARY KEY, seq bigint NOT NULL, sent timestamptz NOT NULL);
+-- The conflicts workload: node i's keys in t_disjoint, everybody's in t_hot.
+CREATE TABLE t_disjoint (id bigint PRIMARY KEY, n bigint NOT NULL, src int NOT NULL, v text NOT NULL);
+CREATE TABLE t_hot (id bigint PRIMARY KEY, n bigint NOT NULL, src int NOT NULL, v text NOT NULL);
 ";
 
 const TABLES: &str = "bench_fence, t_insert, t_bulk, t_update, bench_branches, bench_tellers, \
-                      bench_accounts, bench_history, bench_heartbeat";
+                      bench_accounts, bench_history, bench_heartbeat, t_disjoint, t_hot";
 
 /// How long a system may take to deliver a workload before the run fails.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -534,11 +537,11 @@ pub async fn tpcb_both_ways(sys: &System, cfg: &TpcbConfig, workdir: &Path) -> R
         .execute(&format!(
             "INSERT INTO bench_branches SELECT b, 0, '' FROM generate_series(1, 2) b;
              INSERT INTO bench_tellers SELECT t, (t - 1) / 10 + 1, 0, '' FROM generate_series(1, 20) t;
-             INSERT INTO bench_accounts SELECT a, (a - 1) / {n} + 1, 0, '' FROM generate_series(1, 2 * {n}) a;
-             INSERT INTO bench_heartbeat VALUES (0, 0, clock_timestamp()), (1, 0, clock_timestamp());"
+             INSERT INTO bench_accounts SELECT a, (a - 1) / {n} + 1, 0, '' FROM generate_series(1, 2 * {n}) a;"
         ))
         .await?;
     }
+    ensure_heartbeat_rows(sys).await?;
     sys.settle().await?;
     sys.checkpoint().await?;
     let script = workdir.join(format!("tpcb-{}.sql", sys.label()));
@@ -692,14 +695,18 @@ impl Jitter {
         Jitter((nanos ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
     }
 
-    /// A factor uniformly distributed in [0.5, 1.5).
-    fn next_factor(&mut self) -> f64 {
+    fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         self.0 = x;
-        0.5 + (x >> 11) as f64 / (1u64 << 53) as f64
+        x
+    }
+
+    /// A factor uniformly distributed in [0.5, 1.5).
+    fn next_factor(&mut self) -> f64 {
+        0.5 + (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -759,6 +766,437 @@ async fn pgbench(node: &PgNode, i: usize, cfg: &TpcbConfig, script: &Path) -> Re
     Ok((txns as u64, tps))
 }
 
+/// The heartbeat rows the lag samplers read, one per node, each inserted on
+/// the node that updates it (so it never changes origin) unless already
+/// there.
+async fn ensure_heartbeat_rows(sys: &System) -> Result<()> {
+    for (i, n) in sys.nodes.iter().enumerate() {
+        n.execute(&format!(
+            "INSERT INTO bench_heartbeat VALUES ({i}, 0, clock_timestamp()) ON CONFLICT (node) DO NOTHING"
+        ))
+        .await?;
+    }
+    Ok(())
+}
+
+/// Which keys the two nodes update in the conflicts workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySet {
+    /// Node 0 updates keys 1..=K, node 1 keys K+1..=2K: never the same row,
+    /// so no conflicts; the baseline.
+    Disjoint,
+    /// Both nodes update keys 1..=H at once: the same row is often updated
+    /// on both nodes within one replication delay.
+    Hot,
+}
+
+impl KeySet {
+    pub fn label(self) -> &'static str {
+        match self {
+            KeySet::Disjoint => "disjoint keys",
+            KeySet::Hot => "hot keys",
+        }
+    }
+
+    fn table(self) -> &'static str {
+        match self {
+            KeySet::Disjoint => "t_disjoint",
+            KeySet::Hot => "t_hot",
+        }
+    }
+}
+
+/// Settings of the conflicts workload.
+#[derive(Debug, Clone)]
+pub struct ConflictConfig {
+    /// Connections per node.
+    pub clients: usize,
+    /// Single-row UPDATE transactions per connection.
+    pub txns: u64,
+    /// Keys per node of the disjoint run.
+    pub disjoint_keys: u64,
+    /// Keys shared by both nodes in the hot run.
+    pub hot_keys: u64,
+    pub sync_commit: bool,
+    pub heartbeat: Duration,
+    pub sample: Duration,
+}
+
+/// Conflict counters of one system, summed over both directions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConflictCounters {
+    /// By conflict type name (PostgreSQL 18's names, used by both systems).
+    pub by_type: std::collections::BTreeMap<String, u64>,
+    /// mm: the status `routine` counter (cross-origin changes that were not
+    /// concurrent), when the agent reports it.
+    pub routine: Option<u64>,
+    /// mm: transactions applied by both streams.
+    pub applied_txns: Option<u64>,
+    /// Streams (mm) or subscriptions (native) not healthy, with their error.
+    pub errors: Vec<String>,
+}
+
+impl ConflictCounters {
+    pub fn total(&self) -> u64 {
+        self.by_type.values().sum()
+    }
+
+    /// `self - before`, per counter (counters only grow while a process runs).
+    fn since(&self, before: &ConflictCounters) -> ConflictCounters {
+        let by_type = self
+            .by_type
+            .iter()
+            .map(|(k, v)| {
+                let b = before.by_type.get(k).copied().unwrap_or(0);
+                (k.clone(), v.saturating_sub(b))
+            })
+            .filter(|(_, v)| *v > 0)
+            .collect();
+        let sub = |a: Option<u64>, b: Option<u64>| a.map(|a| a.saturating_sub(b.unwrap_or(0)));
+        ConflictCounters {
+            by_type,
+            routine: sub(self.routine, before.routine),
+            applied_txns: sub(self.applied_txns, before.applied_txns),
+            errors: self.errors.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ConflictResult {
+    pub keys: KeySet,
+    /// Rows in the table (keys updated).
+    pub rows: u64,
+    /// Update transactions committed by the writers, both nodes together.
+    pub txns: u64,
+    /// From the start until the last writer on either node finished.
+    pub writers: Duration,
+    /// From the start until each node held everything the other wrote.
+    pub converged: Duration,
+    /// Heartbeat lag while the writers ran, both directions pooled.
+    pub lag: LagSamples,
+    /// Counter deltas over the run (mm: `mmctl status --json`; native:
+    /// `pg_stat_subscription_stats`, which counts every change to a row last
+    /// written by another origin, concurrent or not, and always applies it).
+    pub conflicts: ConflictCounters,
+    /// Rows whose contents differ between the two nodes at the end.
+    pub differing_rows: u64,
+    /// sum(n) on each node: every committed update adds 1 where it ran; an
+    /// update overwritten by a concurrent one on the other node is lost.
+    pub sums: [i64; 2],
+}
+
+impl ConflictResult {
+    /// Update transactions per second of the writers.
+    pub fn writer_tps(&self) -> f64 {
+        self.txns as f64 / self.writers.as_secs_f64().max(1e-9)
+    }
+
+    /// Update transactions per second until both nodes had everything.
+    pub fn converged_tps(&self) -> f64 {
+        self.txns as f64 / self.converged.as_secs_f64().max(1e-9)
+    }
+
+    /// Detected conflicts per replicated workload transaction.
+    pub fn conflict_rate(&self) -> f64 {
+        self.conflicts.total() as f64 / (self.txns as f64).max(1.0)
+    }
+}
+
+impl System {
+    /// The conflict counters of the system now, both directions summed.
+    pub async fn conflict_counters(&self) -> Result<ConflictCounters> {
+        match self.kind {
+            Kind::Mm => {
+                let out = self.mmctl(&["status", "--json"]).await?;
+                let v: serde_json::Value = serde_json::from_str(&out)
+                    .with_context(|| format!("mmctl status --json is not JSON: {out}"))?;
+                Ok(mm_counters(&v))
+            }
+            Kind::Native => {
+                let mut c = ConflictCounters::default();
+                for n in &self.nodes {
+                    for row in n
+                        .query_strings(
+                            "SELECT s.subname, to_jsonb(s)::text FROM pg_stat_subscription_stats s",
+                        )
+                        .await?
+                    {
+                        let name = row.first().cloned().flatten().unwrap_or_default();
+                        let json = row.get(1).cloned().flatten().unwrap_or_default();
+                        let v: serde_json::Value = serde_json::from_str(&json)?;
+                        native_counters(&mut c, n.name(), &name, &v);
+                    }
+                }
+                Ok(c)
+            }
+        }
+    }
+
+    /// PostgreSQL's apply workers publish their counters lazily (at most
+    /// about once a second, when idle): read until two reads a second
+    /// apart agree. mm's counters are live.
+    async fn settled_conflict_counters(&self) -> Result<ConflictCounters> {
+        let mut last = self.conflict_counters().await?;
+        if self.kind == Kind::Mm {
+            return Ok(last);
+        }
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+            let now = self.conflict_counters().await?;
+            if now == last {
+                break;
+            }
+            last = now;
+        }
+        Ok(last)
+    }
+}
+
+/// Sums the per-stream counters of `mmctl status --json`: every object that
+/// names `from`, `to` and `state` is one stream. `routine` is read when the
+/// agent reports it (added with conflict handling).
+fn mm_counters(v: &serde_json::Value) -> ConflictCounters {
+    let mut c = ConflictCounters::default();
+    let mut stack = vec![v];
+    while let Some(x) = stack.pop() {
+        match x {
+            serde_json::Value::Object(m) => {
+                let name = |k: &str| m.get(k).and_then(|v| v.as_str());
+                if let (Some(from), Some(to), Some(state)) =
+                    (name("from"), name("to"), name("state"))
+                {
+                    if let Some(conf) = m.get("conflicts").and_then(|v| v.as_object()) {
+                        for (k, n) in conf {
+                            *c.by_type.entry(k.clone()).or_default() += n.as_u64().unwrap_or(0);
+                        }
+                    }
+                    if let Some(n) = m.get("routine").and_then(|v| v.as_u64()) {
+                        *c.routine.get_or_insert(0) += n;
+                    }
+                    if let Some(n) = m.get("applied_txns").and_then(|v| v.as_u64()) {
+                        *c.applied_txns.get_or_insert(0) += n;
+                    }
+                    if state != "streaming" {
+                        let err = name("last_error").unwrap_or("");
+                        c.errors.push(format!("{from} -> {to}: {state} {err}"));
+                    }
+                    continue;
+                }
+                stack.extend(m.values());
+            }
+            serde_json::Value::Array(a) => stack.extend(a.iter()),
+            _ => {}
+        }
+    }
+    c
+}
+
+/// Adds one `pg_stat_subscription_stats` row (as JSON) to `c`: the
+/// `confl_*` columns (PostgreSQL 18) by type, `apply_error_count` as an error.
+fn native_counters(c: &mut ConflictCounters, node: &str, sub: &str, v: &serde_json::Value) {
+    let Some(m) = v.as_object() else { return };
+    for (k, n) in m {
+        if let Some(t) = k.strip_prefix("confl_") {
+            *c.by_type.entry(t.to_owned()).or_default() += n.as_u64().unwrap_or(0);
+        }
+    }
+    if let Some(n) = m.get("apply_error_count").and_then(|v| v.as_u64())
+        && n > 0
+    {
+        c.errors
+            .push(format!("{node} subscription {sub}: {n} apply errors"));
+    }
+}
+
+/// Workload 5: `clients` connections on EACH node run `txns` single-row
+/// UPDATE transactions each, all at once, on disjoint key ranges or on one
+/// shared hot key set; heartbeats measure the lag each way meanwhile. Both
+/// systems get the same driver. Divergence is measured and returned, not
+/// treated as a failure, except on disjoint keys where it would be a bug.
+pub async fn conflicting_updates(
+    sys: &System,
+    keys: KeySet,
+    cfg: &ConflictConfig,
+) -> Result<ConflictResult> {
+    let table = keys.table();
+    let (rows, ranges) = match keys {
+        KeySet::Disjoint => {
+            let k = cfg.disjoint_keys.max(1);
+            (2 * k, [(1, k), (k + 1, 2 * k)])
+        }
+        KeySet::Hot => {
+            let h = cfg.hot_keys.max(1);
+            (h, [(1, h), (1, h)])
+        }
+    };
+    let loaded = sys
+        .a()
+        .query_one_string(&format!("SELECT count(*) FROM {table}"))
+        .await?;
+    ensure!(
+        loaded.as_deref() == Some("0"),
+        "{}: {table} is not empty ({loaded:?} rows): the conflicts workload runs once per system",
+        sys.label()
+    );
+    // Each node inserts the keys it will update (the hot set: node a), so on
+    // disjoint keys every row is only ever written by one origin.
+    match keys {
+        KeySet::Disjoint => {
+            for (i, (lo, hi)) in ranges.iter().enumerate() {
+                sys.nodes[i]
+                    .execute(&format!(
+                        "INSERT INTO {table} (id, n, src, v) SELECT g, 0, {i}, '' FROM generate_series({lo}, {hi}) g"
+                    ))
+                    .await?;
+            }
+        }
+        KeySet::Hot => {
+            sys.a()
+                .execute(&format!(
+                    "INSERT INTO {table} (id, n, src, v) SELECT g, 0, 0, '' FROM generate_series(1, {rows}) g"
+                ))
+                .await?;
+        }
+    }
+    ensure_heartbeat_rows(sys).await?;
+    sys.settle().await?;
+    for n in &sys.nodes {
+        let got = n
+            .query_one_string(&format!("SELECT count(*) FROM {table}"))
+            .await?;
+        ensure!(
+            got.as_deref() == Some(rows.to_string().as_str()),
+            "{}: preload of {table} on {} has {got:?} rows, want {rows}",
+            sys.label(),
+            n.name()
+        );
+    }
+
+    let sql = format!("UPDATE {table} SET n = n + 1, src = $2, v = $3 WHERE id = $1");
+    let mut conns = Vec::new();
+    for i in 0..2 {
+        conns.push(open_clients(&sys.nodes[i], cfg.clients, cfg.sync_commit, &sql).await?);
+    }
+    let before = sys.conflict_counters().await?;
+    sys.checkpoint().await?;
+
+    let phase = Arc::new(AtomicU8::new(PHASE_LOAD));
+    let mut hb = JoinSet::new();
+    let mut samplers = JoinSet::new();
+    for (on, of) in [(1usize, 0usize), (0, 1)] {
+        let writer = sys.nodes[of].connect().await?;
+        hb.spawn(heartbeat_writer(
+            writer,
+            of,
+            cfg.heartbeat,
+            Arc::clone(&phase),
+        ));
+        let reader = sys.nodes[on].connect().await?;
+        samplers.spawn(lag_sampler(reader, of, cfg.sample, Arc::clone(&phase)));
+    }
+
+    let start = Instant::now();
+    let mut writers = JoinSet::new();
+    for (i, clients) in conns.into_iter().enumerate() {
+        let (lo, hi) = ranges[i];
+        for (k, (client, stmt)) in clients.into_iter().enumerate() {
+            let txns = cfg.txns;
+            writers.spawn(async move {
+                let src = i32::try_from(i)?;
+                let mut rng = Jitter::new((i * 1000 + k) as u64 + 1);
+                let span = hi - lo + 1;
+                for j in 0..txns {
+                    let id = i64::try_from(lo + rng.next_u64() % span)?;
+                    let v = format!("{i}.{k}.{j}");
+                    let n = client.execute(&stmt, &[&id, &src, &v]).await?;
+                    ensure!(n == 1, "update of key {id} on node {i} touched {n} rows");
+                }
+                Ok::<_, anyhow::Error>(())
+            });
+        }
+    }
+    let mut failed = None;
+    while let Some(r) = writers.join_next().await {
+        if let Err(e) = r.context("writer task").and_then(|r| r) {
+            failed.get_or_insert(e);
+        }
+    }
+    let writers_done = start.elapsed();
+    phase.store(PHASE_STOP, Ordering::SeqCst);
+    let mut lag = LagSamples::default();
+    while let Some(r) = samplers.join_next().await {
+        let (_, l) = r.context("lag sampler")??;
+        lag.staleness.extend(l.staleness);
+        lag.delivery.extend(l.delivery);
+    }
+    while let Some(r) = hb.join_next().await {
+        r.context("heartbeat writer")??;
+    }
+    if let Some(e) = failed {
+        return Err(e.context(format!("{}: {} writers", sys.label(), keys.label())));
+    }
+    // Each node's writes committed before its fence; both appliers apply an
+    // origin in commit order, so each fence arriving means all of it did.
+    sys.fence_both_ways(Duration::from_secs(300)).await?;
+    let converged = start.elapsed();
+    sys.settle().await?;
+    let conflicts = sys.settled_conflict_counters().await?.since(&before);
+
+    let select = format!("SELECT id, n, src, v FROM {table} ORDER BY id");
+    let x = sys.a().query_strings(&select).await?;
+    let y = sys.b().query_strings(&select).await?;
+    let differing_rows = count_differing(&x, &y);
+    let mut sums = [0i64; 2];
+    for (i, n) in sys.nodes.iter().enumerate() {
+        sums[i] = n
+            .query_one_string(&format!("SELECT coalesce(sum(n), 0)::bigint FROM {table}"))
+            .await?
+            .unwrap_or_default()
+            .parse()
+            .context("sum(n)")?;
+    }
+    let txns = 2 * cfg.clients.max(1) as u64 * cfg.txns;
+    if keys == KeySet::Disjoint {
+        ensure!(
+            differing_rows == 0 && sums == [txns as i64; 2],
+            "{}: disjoint keys, yet the nodes differ: {differing_rows} rows differ, sum(n) {sums:?}, want {txns}",
+            sys.label()
+        );
+    }
+    Ok(ConflictResult {
+        keys,
+        rows,
+        txns,
+        writers: writers_done,
+        converged,
+        lag,
+        conflicts,
+        differing_rows,
+        sums,
+    })
+}
+
+/// Rows present on one side only, or with different contents; both lists
+/// are sorted by their first column (the key).
+fn count_differing(a: &[Vec<Option<String>>], b: &[Vec<Option<String>>]) -> u64 {
+    let a: std::collections::BTreeMap<_, _> = a
+        .iter()
+        .map(|r| (r.first().cloned().flatten(), r))
+        .collect();
+    let b: std::collections::BTreeMap<_, _> = b
+        .iter()
+        .map(|r| (r.first().cloned().flatten(), r))
+        .collect();
+    let mut n = 0;
+    for (k, r) in &a {
+        if b.get(k) != Some(r) {
+            n += 1;
+        }
+    }
+    n + b.keys().filter(|k| !a.contains_key(*k)).count() as u64
+}
+
 /// The p-th percentile (nearest rank) of `v`; NaN when empty.
 pub fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
@@ -772,7 +1210,59 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::percentile;
+    use super::{ConflictCounters, count_differing, mm_counters, native_counters, percentile};
+
+    #[test]
+    fn mm_status_counters_with_and_without_routine() {
+        let v = serde_json::json!({
+            "agent": "http://x",
+            "nodes": [{"name": "b1", "state": "active"}],
+            "pairs": [
+                {"from": "b1", "to": "b2", "state": "streaming", "applied_txns": 10,
+                 "conflicts": {"update_origin_differs": 3, "update_missing": 1}, "routine": 5},
+                {"from": "b2", "to": "b1", "state": "error", "last_error": "boom",
+                 "applied_txns": 7, "conflicts": {"update_origin_differs": 2}},
+            ],
+        });
+        let c = mm_counters(&v);
+        assert_eq!(c.total(), 6);
+        assert_eq!(c.by_type["update_origin_differs"], 5);
+        assert_eq!(c.routine, Some(5));
+        assert_eq!(c.applied_txns, Some(17));
+        assert_eq!(c.errors, vec!["b2 -> b1: error boom".to_owned()]);
+        let old = serde_json::json!({"pairs": [
+            {"from": "b1", "to": "b2", "state": "streaming", "applied_txns": 1, "conflicts": {}}]});
+        assert_eq!(mm_counters(&old).routine, None);
+        let d = c.since(&ConflictCounters {
+            applied_txns: Some(7),
+            routine: Some(1),
+            ..Default::default()
+        });
+        assert_eq!(
+            (d.applied_txns, d.routine, d.total()),
+            (Some(10), Some(4), 6)
+        );
+    }
+
+    #[test]
+    fn native_counters_read_confl_columns() {
+        let mut c = ConflictCounters::default();
+        let row = serde_json::json!({"subid": 1, "subname": "s", "apply_error_count": 0,
+            "confl_update_origin_differs": 4, "confl_insert_exists": 1});
+        native_counters(&mut c, "na", "s", &row);
+        native_counters(&mut c, "nb", "s", &row);
+        assert_eq!(c.total(), 10);
+        assert!(c.errors.is_empty());
+    }
+
+    #[test]
+    fn differing_rows_by_key() {
+        let r = |k: &str, v: &str| vec![Some(k.to_owned()), Some(v.to_owned())];
+        let a = vec![r("1", "x"), r("2", "y"), r("3", "z")];
+        let b = vec![r("1", "x"), r("2", "Y"), r("4", "w")];
+        assert_eq!(count_differing(&a, &a), 0);
+        assert_eq!(count_differing(&a, &b), 3);
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

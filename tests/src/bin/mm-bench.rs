@@ -3,7 +3,8 @@
 //! ratios mm/native (the absolute numbers of a shared, noisy machine mean
 //! little; the ratio of two systems measured minutes apart means more).
 //!
-//!   mm-bench [--quick] [--rows N] [--clients N] [--only 1,2,3,4] ...
+//!   mm-bench [--quick] [--rows N] [--clients N] [--only 1,2,3,4,5] ...
+//!   mm-bench conflicts              # only workload 5, the conflicts run
 //!
 //! Every flag also reads an environment default, `MM_BENCH_<FLAG>` (e.g.
 //! `MM_BENCH_ROWS=50000`). `scripts/bench.sh` builds release binaries and
@@ -13,17 +14,25 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use mm_tests::bench::{self, Kind, Measured, System, TpcbConfig, TpcbResult, percentile};
+use mm_tests::bench::{
+    self, ConflictConfig, ConflictResult, KeySet, Kind, Measured, System, TpcbConfig, TpcbResult,
+    percentile,
+};
 
 const USAGE: &str = "\
 mm-bench: mm vs PostgreSQL native logical replication (2 nodes each)
 
-  --quick              small smoke run (~1 minute): 10k rows, 5 s TPC-B
+Workloads: 1 single-row INSERT txns, 2 one big INSERT txn, 3 single-row UPDATE txns
+(all on node A), 4 TPC-B-like on both nodes with lag, 5 conflicts: single-row UPDATE
+txns on both nodes at once, on disjoint keys (baseline) and on a hot key set
+(conflict rate, divergence). `mm-bench conflicts` = `--only 5`.
+
+  --quick              small smoke run (~1 minute): 10k rows, 5 s TPC-B, 1000 conflict txns
   --rows N             rows / transactions of workloads 1-3 (default 200000)
   --clients N          publisher connections driving workloads 1 and 3 (default 4)
   --sync-commit on|off synchronous_commit of those connections (default off: the
                        publisher's fsyncs must not be what is measured)
-  --only LIST          workloads to run, e.g. 1,3 (default 1,2,3,4)
+  --only LIST          workloads to run, e.g. 1,3 or 5 or conflicts (default 1,2,3,4,5)
   --systems LIST       native,mm (default both; one alone is for profiling)
   --tpcb-seconds S     duration of the bidirectional TPC-B-like run (default 25)
   --tpcb-rate R[,R..]  pgbench -R per node, transactions/s, one run each; 0 = unthrottled
@@ -35,6 +44,12 @@ mm-bench: mm vs PostgreSQL native logical replication (2 nodes each)
                        at 100 the sampling step would swamp lags of a few ms)
   --idle-seconds S     heartbeat-only sampling before the load: the method's floor (default 3)
   --agent-log FILTER   MM_LOG of the agents (default info; debug logs every transaction)
+  --conflict-clients N connections per node in workload 5 (default 2)
+  --conflict-txns N    single-row UPDATE txns per connection in workload 5 (default 5000)
+  --conflict-keys N    keys per node of the disjoint run (default 1000)
+  --hot-keys N         keys both nodes update in the hot run (default 100)
+  --conflict-heartbeat-ms MS  heartbeat period on each node in workload 5 (default 20: the
+                       runs last seconds, so lag needs more heartbeats than TPC-B's)
 
 Every flag has an environment default MM_BENCH_<FLAG> (MM_BENCH_ROWS, MM_BENCH_QUICK=1, ...).
 Agent binaries: MM_AGENT_BIN / MMCTL_BIN, else next to this executable.
@@ -55,6 +70,11 @@ struct Args {
     sample_ms: u64,
     idle_seconds: u64,
     agent_log: String,
+    conflict_clients: usize,
+    conflict_txns: u64,
+    conflict_keys: u64,
+    hot_keys: u64,
+    conflict_heartbeat_ms: u64,
     quick: bool,
 }
 
@@ -72,7 +92,23 @@ const FLAGS: &[&str] = &[
     "sample-ms",
     "idle-seconds",
     "agent-log",
+    "conflict-clients",
+    "conflict-txns",
+    "conflict-keys",
+    "hot-keys",
+    "conflict-heartbeat-ms",
 ];
+
+/// Workload numbers by name, for `--only` and bare arguments.
+fn workload_number(s: &str) -> Option<u8> {
+    match s {
+        "conflicts" => Some(5),
+        _ => match s.parse::<u8>() {
+            Ok(n @ 1..=5) => Some(n),
+            _ => None,
+        },
+    }
+}
 
 fn env_name(flag: &str) -> String {
     format!("MM_BENCH_{}", flag.replace('-', "_").to_ascii_uppercase())
@@ -98,6 +134,11 @@ fn parse_args() -> Result<Option<Args>> {
             "--quick" => quick = true,
             a => {
                 let Some(name) = a.strip_prefix("--") else {
+                    // A bare workload name: `mm-bench conflicts`.
+                    if a == "conflicts" {
+                        given.push(("only".to_owned(), a.to_owned()));
+                        continue;
+                    }
                     bail!("unexpected argument {a:?}\n\n{USAGE}");
                 };
                 let (name, value) = match name.split_once('=') {
@@ -120,7 +161,7 @@ fn parse_args() -> Result<Option<Args>> {
         rows: if quick { 10_000 } else { 200_000 },
         clients: 4,
         sync_commit: false,
-        only: vec![1, 2, 3, 4],
+        only: vec![1, 2, 3, 4, 5],
         systems: vec![Kind::Native, Kind::Mm],
         tpcb_seconds: if quick { 5 } else { 25 },
         tpcb_rates: vec![100, 300],
@@ -130,6 +171,11 @@ fn parse_args() -> Result<Option<Args>> {
         sample_ms: 10,
         idle_seconds: if quick { 1 } else { 3 },
         agent_log: "info".to_owned(),
+        conflict_clients: 2,
+        conflict_txns: if quick { 1000 } else { 5000 },
+        conflict_keys: 1000,
+        hot_keys: 100,
+        conflict_heartbeat_ms: 20,
         quick,
     };
     for (name, v) in given {
@@ -162,6 +208,11 @@ fn parse_args() -> Result<Option<Args>> {
             "sample-ms" => a.sample_ms = num()?.max(1),
             "idle-seconds" => a.idle_seconds = num()?,
             "agent-log" => a.agent_log = v,
+            "conflict-clients" => a.conflict_clients = usize::try_from(num()?.max(1))?,
+            "conflict-txns" => a.conflict_txns = num()?.max(1),
+            "conflict-keys" => a.conflict_keys = num()?.max(1),
+            "hot-keys" => a.hot_keys = num()?.max(1),
+            "conflict-heartbeat-ms" => a.conflict_heartbeat_ms = num()?.max(1),
             "sync-commit" => {
                 a.sync_commit = match v.as_str() {
                     "on" => true,
@@ -184,9 +235,9 @@ fn parse_args() -> Result<Option<Args>> {
                 a.only = v
                     .split(',')
                     .filter(|s| !s.trim().is_empty())
-                    .map(|s| match s.trim().parse::<u8>() {
-                        Ok(n @ 1..=4) => Ok(n),
-                        _ => bail!("--only: {s:?} is not a workload number 1-4"),
+                    .map(|s| match workload_number(s.trim()) {
+                        Some(n) => Ok(n),
+                        None => bail!("--only: {s:?} is not a workload number 1-5 or conflicts"),
                     })
                     .collect::<Result<_>>()?;
             }
@@ -270,7 +321,130 @@ fn print_tpcb(label: &str, t: &TpcbResult) {
     );
 }
 
-fn markdown(args: &Args, rows: &[Row], tpcb: &[(String, u64, TpcbResult)]) -> String {
+fn print_conflicts(label: &str, r: &ConflictResult) {
+    let d = lag(&r.lag.delivery);
+    let st = lag(&r.lag.staleness);
+    println!(
+        "  {label:<6} {} update txns on {} rows: writers done {:.2} s ({:.0} txns/s), both nodes have all {:.2} s ({:.0} txns/s)",
+        r.txns,
+        r.rows,
+        r.writers.as_secs_f64(),
+        r.writer_tps(),
+        r.converged.as_secs_f64(),
+        r.converged_tps()
+    );
+    println!(
+        "         delivery  ms p50 {:.0} p95 {:.0} max {:.0} ({} heartbeats); staleness ms p50 {:.0} p95 {:.0} max {:.0}",
+        d.p50, d.p95, d.max, d.n, st.p50, st.p95, st.max
+    );
+    let c = &r.conflicts;
+    println!(
+        "         conflicts {} ({:.1}% of txns) {:?}; routine {}; applied txns {}",
+        c.total(),
+        100.0 * r.conflict_rate(),
+        c.by_type,
+        c.routine.map_or("n/a".to_owned(), |n| n.to_string()),
+        c.applied_txns.map_or("n/a".to_owned(), |n| n.to_string())
+    );
+    println!(
+        "         end state: {}; sum(n) A {} B {} of {} updates",
+        identical(r),
+        r.sums[0],
+        r.sums[1],
+        r.txns
+    );
+    for e in &c.errors {
+        println!("         ERROR {e}");
+    }
+}
+
+fn identical(r: &ConflictResult) -> String {
+    if r.differing_rows == 0 {
+        "identical".to_owned()
+    } else {
+        format!("DIVERGED, {} of {} rows differ", r.differing_rows, r.rows)
+    }
+}
+
+fn ratio_cell(mm: f64, native: f64) -> String {
+    if mm.is_finite() && native.is_finite() && native > 0.0 {
+        format!("{:.2}", mm / native)
+    } else {
+        "-".to_owned()
+    }
+}
+
+fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String {
+    let mut s = format!(
+        "\nConflicts: single-row UPDATE txns on both nodes at once, {} clients/node x {} txns each; \
+         disjoint = node A keys 1..{k}, node B keys {}..{}; hot = both nodes on keys 1..{}. \
+         Lag = delivery of a heartbeat written every {} ms while the writers run, both directions pooled:\n\n",
+        args.conflict_clients,
+        args.conflict_txns,
+        args.conflict_keys + 1,
+        2 * args.conflict_keys,
+        args.hot_keys,
+        args.conflict_heartbeat_ms,
+        k = args.conflict_keys,
+    );
+    s.push_str("| keys | system | writers txns/s | converged s | txns/s to converged | lag p50 / p95 / max ms | conflicts | conflict rate | routine | sum(n) A / B | end state |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    for keys in [KeySet::Disjoint, KeySet::Hot] {
+        let of = |label: &str| {
+            runs.iter()
+                .find(|(l, r)| l == label && r.keys == keys)
+                .map(|(_, r)| r)
+        };
+        for (label, r) in runs.iter().filter(|(_, r)| r.keys == keys) {
+            let d = lag(&r.lag.delivery);
+            s.push_str(&format!(
+                "| {} | {label} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} | {} | {:.1}% | {} | {} / {} | {} |\n",
+                keys.label(),
+                r.writer_tps(),
+                r.converged.as_secs_f64(),
+                r.converged_tps(),
+                d.p50,
+                d.p95,
+                d.max,
+                r.conflicts.total(),
+                100.0 * r.conflict_rate(),
+                r.conflicts.routine.map_or("-".to_owned(), |n| n.to_string()),
+                r.sums[0],
+                r.sums[1],
+                identical(r)
+            ));
+        }
+        if let (Some(n), Some(m)) = (of("native"), of("mm")) {
+            let (dn, dm) = (lag(&n.lag.delivery), lag(&m.lag.delivery));
+            s.push_str(&format!(
+                "| {} | **mm/native** | {} | | {} | {} / {} / {} | | | | | |\n",
+                keys.label(),
+                ratio_cell(m.writer_tps(), n.writer_tps()),
+                ratio_cell(m.converged_tps(), n.converged_tps()),
+                ratio_cell(dm.p50, dn.p50),
+                ratio_cell(dm.p95, dn.p95),
+                ratio_cell(dm.max, dn.max)
+            ));
+        }
+    }
+    s.push_str(
+        "\n(converged = from the start until each node holds every write of the other (a fence row each way); \
+         conflict rate = conflicts / update txns of both nodes; mm counts from `mmctl status --json`, \
+         native from pg_stat_subscription_stats, which counts every change to a row last written by \
+         another origin, concurrent or not, and always applies the remote change (no resolution); \
+         sum(n) = updates whose increment survived on each node, of the txns count (a concurrent update \
+         of the same row on the other node overwrites one); \
+         end state compares every row of the table on both nodes. Throughput ratios > 1 and lag ratios < 1 favour mm.)\n",
+    );
+    s
+}
+
+fn markdown(
+    args: &Args,
+    rows: &[Row],
+    tpcb: &[(String, u64, TpcbResult)],
+    conflicts: &[(String, ConflictResult)],
+) -> String {
     let mut s = String::new();
     if !rows.is_empty() {
         s.push_str(
@@ -327,6 +501,9 @@ fn markdown(args: &Args, rows: &[Row], tpcb: &[(String, u64, TpcbResult)]) -> St
              includes 0..1 sampling period)\n",
         );
     }
+    if !conflicts.is_empty() {
+        s.push_str(&conflicts_markdown(args, conflicts));
+    }
     s
 }
 
@@ -357,7 +534,8 @@ async fn run(args: Args) -> Result<()> {
         args.agent_log
     );
     println!(
-        "rows {} clients {} synchronous_commit {} | tpc-b {} s, rate {:?}/s/node, {} clients/node, {} accounts/node{}",
+        "rows {} clients {} synchronous_commit {} | tpc-b {} s, rate {:?}/s/node, {} clients/node, {} accounts/node \
+         | conflicts {} clients/node x {} txns, {} keys/node, {} hot keys{}",
         args.rows,
         args.clients,
         if args.sync_commit { "on" } else { "off" },
@@ -365,6 +543,10 @@ async fn run(args: Args) -> Result<()> {
         args.tpcb_rates,
         args.tpcb_clients,
         args.accounts,
+        args.conflict_clients,
+        args.conflict_txns,
+        args.conflict_keys,
+        args.hot_keys,
         if args.quick { " | QUICK" } else { "" }
     );
     let workdir = tempfile::tempdir()?;
@@ -391,7 +573,33 @@ async fn run(args: Args) -> Result<()> {
     };
     let mut rows: Vec<Row> = Vec::new();
     let mut tpcb: Vec<(String, u64, TpcbResult)> = Vec::new();
+    let mut conflicts: Vec<(String, ConflictResult)> = Vec::new();
     for w in args.only.clone() {
+        if w == 5 {
+            let cfg = ConflictConfig {
+                clients: args.conflict_clients,
+                txns: args.conflict_txns,
+                disjoint_keys: args.conflict_keys,
+                hot_keys: args.hot_keys,
+                sync_commit: args.sync_commit,
+                heartbeat: Duration::from_millis(args.conflict_heartbeat_ms),
+                sample: Duration::from_millis(args.sample_ms),
+            };
+            for keys in [KeySet::Disjoint, KeySet::Hot] {
+                println!(
+                    "5. conflicts: single-row UPDATE txns on both nodes, {} ({} clients/node x {} txns)",
+                    keys.label(),
+                    cfg.clients,
+                    cfg.txns
+                );
+                for sys in &systems {
+                    let r = bench::conflicting_updates(sys, keys, &cfg).await?;
+                    print_conflicts(sys.label(), &r);
+                    conflicts.push((sys.label().to_owned(), r));
+                }
+            }
+            continue;
+        }
         if w == 4 {
             for &rate in &args.tpcb_rates {
                 println!("4. TPC-B-like on both nodes at {rate} tps/node, lag");
@@ -441,7 +649,7 @@ async fn run(args: Args) -> Result<()> {
         }
         rows.push(row);
     }
-    println!("\n{}", markdown(&args, &rows, &tpcb));
+    println!("\n{}", markdown(&args, &rows, &tpcb, &conflicts));
     println!("load at end {}", loadavg());
     // Agents before servers (System's field order), mm before native.
     while let Some(sys) = systems.pop() {
