@@ -1,0 +1,105 @@
+//! Tombstones: written for remote and local deletes (also on tables created
+//! after the agent started), visible as a count in status and /metrics, and
+//! purged once every node has applied past them.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use mm_tests::cluster::TestCluster;
+
+const SCHEMA: &str = "CREATE TABLE kv (id int PRIMARY KEY, v text);";
+
+async fn tombstones(c: &TestCluster, i: usize) -> Result<i64> {
+    let r = c.rows(i, "SELECT count(*) FROM mm.tombstones").await?;
+    Ok(r[0][0].as_deref().unwrap_or("0").parse()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tombstones_are_written_counted_and_purged() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["tb1", "tb2", "tb3"], SCHEMA).await?;
+    // A table created after the agents started gets the local-delete
+    // trigger from the event trigger.
+    for pg in &c.pg {
+        pg.execute("CREATE TABLE late (k text PRIMARY KEY, n int)")
+            .await?;
+    }
+    c.pg[0]
+        .execute("INSERT INTO kv SELECT g, 'v' FROM generate_series(1, 10) g")
+        .await?;
+    c.pg[1]
+        .execute("INSERT INTO late VALUES ('a', 1), ('b', 2)")
+        .await?;
+    c.wait_sync(60).await?;
+
+    // Pause everything out of tb1 so its local delete's tombstone can be
+    // seen before anyone can have applied it.
+    c.pause("tb1", "tb2").await?;
+    c.pause("tb1", "tb3").await?;
+    c.pg[0].execute("DELETE FROM kv WHERE id <= 3").await?;
+    c.pg[1].execute("DELETE FROM late WHERE k = 'a'").await?;
+    let local_key = c
+        .rows(
+            0,
+            "SELECT key::text FROM mm.tombstones WHERE relid = 'kv'::regclass ORDER BY key::text",
+        )
+        .await?;
+    assert_eq!(
+        local_key,
+        vec![
+            vec![Some(r#"{"id": 1}"#.to_owned())],
+            vec![Some(r#"{"id": 2}"#.to_owned())],
+            vec![Some(r#"{"id": 3}"#.to_owned())],
+        ],
+        "a local DELETE leaves one tombstone per key"
+    );
+    // tb2's local delete on the late table: a tombstone there, and one on
+    // the other nodes once applied (tb3 now; tb1 too, its inbound streams run).
+    let late_key = c
+        .rows(
+            1,
+            "SELECT key::text FROM mm.tombstones WHERE relid = 'late'::regclass",
+        )
+        .await?;
+    assert_eq!(late_key, vec![vec![Some(r#"{"k": "a"}"#.to_owned())]]);
+    // While tb1's deletes have reached nobody, they cannot be purged on tb1:
+    // give the purge task (every 5 s) time to run, and check they stay.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(
+        tombstones(&c, 0).await? >= 3,
+        "tb1 purged tombstones of deletes its peers have not applied"
+    );
+    let status = c.status_json(0).await?;
+    assert!(
+        status.to_string().contains("\"tombstones\":"),
+        "status shows the tombstone count: {status}"
+    );
+
+    c.resume("tb1", "tb2").await?;
+    c.resume("tb1", "tb3").await?;
+    c.wait_sync(60).await?;
+    c.assert_same("SELECT id, v FROM kv ORDER BY id").await?;
+    c.assert_same("SELECT k, n FROM late ORDER BY k").await?;
+    // Every node has applied every delete: the tombstones go, everywhere.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut counts = Vec::new();
+        for i in 0..3 {
+            counts.push(tombstones(&c, i).await?);
+        }
+        if counts.iter().all(|n| *n == 0) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "tombstones never purged: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let metrics = c.agents[0].metrics(&c.token_file()).await?;
+    assert!(
+        metrics.contains("mm_tombstones"),
+        "the tombstone gauge is exported: {metrics}"
+    );
+    Ok(())
+}
