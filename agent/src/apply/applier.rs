@@ -55,9 +55,30 @@ pub trait Replayable: Send + Sync {
     fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure>;
 }
 
-impl Replayable for Vec<Message> {
+/// A transaction received whole, kept in memory until it commits here.
+pub struct InMemory(pub Arc<Vec<Message>>);
+
+struct InMemoryReader {
+    msgs: Arc<Vec<Message>>,
+    next: usize,
+}
+
+impl ChangeSource for InMemoryReader {
+    /// Clones one message at a time (its values are shared `Bytes`), never
+    /// the whole transaction.
+    fn next_message(&mut self) -> Result<Option<Message>, ApplyFailure> {
+        let m = self.msgs.get(self.next).cloned();
+        self.next += 1;
+        Ok(m)
+    }
+}
+
+impl Replayable for InMemory {
     fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure> {
-        Ok(Box::new(self.clone().into_iter()))
+        Ok(Box::new(InMemoryReader {
+            msgs: Arc::clone(&self.0),
+            next: 0,
+        }))
     }
 }
 

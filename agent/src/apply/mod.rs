@@ -26,7 +26,7 @@ mod pipeline;
 mod relation;
 pub mod sql;
 
-pub use applier::{Applier, ApplyContext, ChangeSource, Replayable, TxnBody, TxnMeta};
+pub use applier::{Applier, ApplyContext, ChangeSource, InMemory, Replayable, TxnBody, TxnMeta};
 pub use param::Param;
 pub use pipeline::Done;
 

@@ -26,7 +26,7 @@ use mm_proto::pgoutput::{Begin, Message, StreamTracker};
 use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, TxnBody, TxnMeta};
+use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, InMemory, TxnBody, TxnMeta};
 use crate::status::StatusRegistry;
 use crate::watermark::{self, Announcement};
 use spool::Spool;
@@ -294,7 +294,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             end_lsn: c.end_lsn,
                             commit_ts: c.commit_timestamp,
                         };
-                        let body: TxnBody = Arc::new(msgs);
+                        let body: TxnBody = Arc::new(InMemory(Arc::new(msgs)));
                         apply_one(&mut applier, &pname, &meta, body).await?;
                         progress.last_queued = meta.end_lsn;
                         finished(&mut applier, local, &pname, &mut progress);
@@ -324,7 +324,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         // reads, mostly from the page cache.
                         let body: TxnBody = match reader {
                             Some(r) => Arc::new(r),
-                            None => Arc::new(Vec::<Message>::new()),
+                            None => Arc::new(InMemory(Arc::new(Vec::new()))),
                         };
                         apply_one(&mut applier, &pname, &meta, body).await?;
                         progress.last_queued = meta.end_lsn;
