@@ -43,6 +43,12 @@ pub fn mmctl_bin() -> Result<PathBuf> {
     bin("mmctl", "MMCTL_BIN")
 }
 
+/// Another binary of the target dir (e.g. `mm-agent-custom`, an agent that
+/// embeds the daemon with extra resolvers), or `$env` when set.
+pub fn target_bin(name: &str, env: &str) -> Result<PathBuf> {
+    bin(name, env)
+}
+
 /// Kills agents left running by test processes that died before their Drop.
 fn sweep_agents() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -94,6 +100,8 @@ pub struct AgentProcess {
     child: Option<Child>,
     /// Extra environment for the agent (e.g. MM_LOG).
     env: Vec<(String, String)>,
+    /// The agent binary, when not the default `mm-agent` (see `agent_bin`).
+    bin: Option<PathBuf>,
 }
 
 /// The shared secrets of a test cluster.
@@ -114,6 +122,19 @@ impl AgentProcess {
         secrets: &Secrets,
         env: &[(&str, &str)],
         extra_toml: &str,
+    ) -> Result<AgentProcess> {
+        Self::spawn_bin(name, pg, secrets, env, extra_toml, None)
+    }
+
+    /// Like `spawn_with`, running `bin` instead of the default agent binary
+    /// (`None`: the default).
+    pub fn spawn_bin(
+        name: &str,
+        pg: &PgNode,
+        secrets: &Secrets,
+        env: &[(&str, &str)],
+        extra_toml: &str,
+        bin: Option<PathBuf>,
     ) -> Result<AgentProcess> {
         sweep_agents();
         let root =
@@ -148,6 +169,7 @@ impl AgentProcess {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+            bin,
         };
         agent.start()?;
         Ok(agent)
@@ -174,7 +196,11 @@ impl AgentProcess {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let mut cmd = Command::new(agent_bin()?);
+        let bin = match &self.bin {
+            Some(b) => b.clone(),
+            None => agent_bin()?,
+        };
+        let mut cmd = Command::new(bin);
         cmd.arg("--config")
             .arg(&self.config)
             .env("MM_LOG", "info,mm_agent=debug")

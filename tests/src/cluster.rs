@@ -11,6 +11,17 @@ use crate::{PgNode, PgOptions};
 
 pub type Rows = Vec<Vec<Option<String>>>;
 
+/// Everything a test may vary about a cluster (see `TestCluster::start_opts`).
+#[derive(Clone, Default)]
+pub struct ClusterOptions {
+    /// PostgreSQL options for every node.
+    pub pg: PgOptions,
+    /// TOML appended to every agent's config (e.g. a `[conflicts]` section).
+    pub agent_toml: String,
+    /// The agent binary (e.g. `mm-agent-custom`); `None`: `mm-agent`.
+    pub agent_bin: Option<PathBuf>,
+}
+
 pub struct TestCluster {
     pub pg: Vec<PgNode>,
     pub agents: Vec<AgentProcess>,
@@ -43,12 +54,41 @@ impl TestCluster {
         Ok(c)
     }
 
+    /// Like `start`, with agent config additions and another agent binary.
+    pub async fn start_opts(
+        names: &[&str],
+        schema_sql: &str,
+        opts: ClusterOptions,
+    ) -> Result<TestCluster> {
+        let mut c = Self::start_unformed_opts(names, schema_sql, opts).await?;
+        c.form().await?;
+        Ok(c)
+    }
+
     /// Nodes and agents running, but no cluster formed yet.
     pub async fn start_unformed(
         names: &[&str],
         schema_sql: &str,
         opts: PgOptions,
     ) -> Result<TestCluster> {
+        Self::start_unformed_opts(
+            names,
+            schema_sql,
+            ClusterOptions {
+                pg: opts,
+                ..ClusterOptions::default()
+            },
+        )
+        .await
+    }
+
+    /// `start_unformed` with every option.
+    pub async fn start_unformed_opts(
+        names: &[&str],
+        schema_sql: &str,
+        cluster_opts: ClusterOptions,
+    ) -> Result<TestCluster> {
+        let opts = cluster_opts.pg.clone();
         let dir = tempfile::tempdir()?;
         let token_file = dir.path().join("token");
         std::fs::write(&token_file, random_token()?)?;
@@ -65,7 +105,14 @@ impl TestCluster {
         }
         let mut agents = Vec::new();
         for (n, node) in names.iter().zip(&pg) {
-            agents.push(AgentProcess::spawn(n, node, &secrets)?);
+            agents.push(AgentProcess::spawn_bin(
+                n,
+                node,
+                &secrets,
+                &[],
+                &cluster_opts.agent_toml,
+                cluster_opts.agent_bin.clone(),
+            )?);
         }
         for a in &mut agents {
             a.wait_ready(Duration::from_secs(30)).await?;
@@ -182,6 +229,72 @@ impl TestCluster {
             }
         }
         bail!("no stream {from} -> {to} in status: {v}")
+    }
+
+    /// The index of the node called `name`.
+    pub fn index_of(&self, name: &str) -> Result<usize> {
+        self.agents
+            .iter()
+            .position(|a| a.name == name)
+            .with_context(|| format!("no node {name} in the cluster"))
+    }
+
+    /// `mmctl pause --from F --to T` through agent `via`; mmctl returns once
+    /// the stream is actually paused.
+    pub async fn pause_via(&self, via: usize, from: &str, to: &str) -> Result<()> {
+        self.mmctl(via, &["pause", "--from", from, "--to", to])
+            .await?
+            .ok()
+            .with_context(|| format!("pause {from} -> {to}"))?;
+        Ok(())
+    }
+
+    /// `mmctl resume --from F --to T` through agent `via`.
+    pub async fn resume_via(&self, via: usize, from: &str, to: &str) -> Result<()> {
+        self.mmctl(via, &["resume", "--from", from, "--to", to])
+            .await?
+            .ok()
+            .with_context(|| format!("resume {from} -> {to}"))?;
+        Ok(())
+    }
+
+    /// `pause_via` agent 0.
+    pub async fn pause(&self, from: &str, to: &str) -> Result<()> {
+        self.pause_via(0, from, to).await
+    }
+
+    /// `resume_via` agent 0.
+    pub async fn resume(&self, from: &str, to: &str) -> Result<()> {
+        self.resume_via(0, from, to).await
+    }
+
+    /// Waits until the stream `from` -> `to` is in `state` (e.g. "error")
+    /// and, when given, its `last_error` contains every one of `needles`.
+    /// Returns the stream's status object.
+    pub async fn wait_stream(
+        &self,
+        from: &str,
+        to: &str,
+        state: &str,
+        needles: &[&str],
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let s = self.stream_status(from, to).await?;
+            let err = s.get("last_error").and_then(|e| e.as_str()).unwrap_or("");
+            if s.get("state").and_then(|v| v.as_str()) == Some(state)
+                && needles.iter().all(|n| err.contains(n))
+            {
+                return Ok(s);
+            }
+            if std::time::Instant::now() > deadline {
+                bail!(
+                    "stream {from} -> {to} never reached state {state:?} with an error containing {needles:?} within {timeout:?}; last status: {s}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// `mmctl status --json` from agent `i`.

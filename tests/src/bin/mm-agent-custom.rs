@@ -1,0 +1,84 @@
+//! mm-agent with one extra, custom Rust resolver: the way a user embeds the
+//! daemon (`mm_agent::daemon::run_with`) to register resolvers of their own.
+//! `e2e_conflicts::custom_rust_resolver_max_value` runs a cluster of these.
+//!
+//! `rust:max_value` keeps the version whose `v` column is larger (a number or
+//! numeric text); ties, and anything it cannot compare, go to the incoming
+//! change. A pure function of the conflict's facts, so every node agrees.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use mm_agent::conflict::{Conflict, Resolution, Resolver, ResolverRegistry};
+use serde_json::Value;
+
+#[derive(Parser)]
+#[command(
+    name = "mm-agent-custom",
+    version,
+    about = "mm-agent with the custom resolver rust:max_value"
+)]
+struct Args {
+    /// The agent's TOML configuration file (keys may be overridden by MM_<SECTION>__<KEY>).
+    #[arg(long, short = 'c', env = "MM_CONFIG")]
+    config: PathBuf,
+}
+
+/// Keeps the row with the larger `v`.
+struct MaxValue;
+
+fn v_of(row: Option<&Value>) -> Option<f64> {
+    match row?.get("v")? {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+impl Resolver for MaxValue {
+    fn resolve(&self, c: &Conflict) -> Resolution {
+        match (v_of(c.local.as_ref()), v_of(c.remote_new.as_ref())) {
+            (Some(local), Some(remote)) if local > remote => Resolution::KeepLocal,
+            _ => Resolution::ApplyRemote,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MM_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = match mm_cluster_config::AgentConfig::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mm-agent-custom: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut registry = ResolverRegistry::builtin();
+    registry.register("max_value", Arc::new(MaxValue));
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mm-agent-custom: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(mm_agent::daemon::run_with(cfg, registry)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mm-agent-custom: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

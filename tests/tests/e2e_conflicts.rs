@@ -1,0 +1,1502 @@
+//! End-to-end conflict detection and resolution (SPEC §5-§7, DESIGN.md
+//! "Conflicts"), deterministic: the streams between the writers are paused
+//! (`mmctl pause`), the conflicting changes are committed on each side one
+//! after the other (so their commit timestamps are ordered and known), the
+//! streams are resumed, and after `wait-sync` every test checks
+//!
+//! * the exact rows on every node, and
+//! * the exact `mm.conflict_log` rows on every node: type, relation, key,
+//!   local/remote origin (node names), local/remote commit timestamps (equal
+//!   to `pg_xact_commit_timestamp` of the writes that made them) and the
+//!   resolution; `remote_lsn` must lie inside the WAL range the remote
+//!   transaction was written in.
+//!
+//! In every two-node scenario node 0 is "A" and node 1 is "B"; names are
+//! chosen so that A < B.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use mm_tests::TestCluster;
+use mm_tests::cluster::ClusterOptions;
+
+const T_SCHEMA: &str = "CREATE TABLE t (id int PRIMARY KEY, v text);";
+const DUMP_T: &str = "SELECT id, v FROM t ORDER BY id";
+
+/// Time given to the agents to publish their watermarks (what makes a later
+/// change on another node *routine* rather than a conflict) before a test
+/// writes on top of a row it just received.
+const WATERMARK_SETTLE: Duration = Duration::from_millis(2500);
+
+// ---------------------------------------------------------------------------
+// Writes with known commit timestamp and WAL range.
+
+/// One committed local transaction: which node, its commit timestamp (as
+/// `ts_sql` formats it) and the WAL range its commit lies in.
+#[derive(Debug, Clone)]
+struct W {
+    node: String,
+    ts: String,
+    lsn_lo: u64,
+    lsn_hi: u64,
+}
+
+/// Timestamps as fixed-width UTC text: compares exactly, sorts in time order.
+fn ts_sql(expr: &str) -> String {
+    format!("to_char(({expr}) AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')")
+}
+
+fn parse_lsn(s: &str) -> Result<u64> {
+    let (hi, lo) = s
+        .trim()
+        .split_once('/')
+        .with_context(|| format!("not an LSN: {s:?}"))?;
+    Ok((u64::from_str_radix(hi, 16)? << 32) | u64::from_str_radix(lo, 16)?)
+}
+
+fn fmt_lsn(l: u64) -> String {
+    format!("{:X}/{:X}", l >> 32, l & 0xffff_ffff)
+}
+
+async fn one_value(client: &tokio_postgres::Client, sql: &str) -> Result<String> {
+    for m in client.simple_query(sql).await? {
+        if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+            return r
+                .get(0)
+                .map(str::to_owned)
+                .with_context(|| format!("NULL from {sql}"));
+        }
+    }
+    bail!("no row from {sql}")
+}
+
+/// Commits `sql` as one transaction on node `i` and returns its facts. Sleeps
+/// a little afterwards so that the next write anywhere gets a later commit
+/// timestamp.
+async fn write(c: &TestCluster, i: usize, sql: &str) -> Result<W> {
+    let client = c.pg[i].connect().await?;
+    let lo = parse_lsn(&one_value(&client, "SELECT pg_current_wal_insert_lsn()::text").await?)?;
+    let xid = one_value(
+        &client,
+        &format!("BEGIN; {sql}; SELECT pg_current_xact_id()::text; COMMIT"),
+    )
+    .await
+    .with_context(|| format!("on {}: {sql}", c.pg[i].name()))?;
+    let hi = parse_lsn(&one_value(&client, "SELECT pg_current_wal_insert_lsn()::text").await?)?;
+    let ts = one_value(
+        &client,
+        &format!(
+            "SELECT {}",
+            ts_sql(&format!("pg_xact_commit_timestamp('{xid}'::xid)"))
+        ),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    Ok(W {
+        node: c.pg[i].name().to_owned(),
+        ts,
+        lsn_lo: lo,
+        lsn_hi: hi,
+    })
+}
+
+/// Runs `sql` on node `i` under a replication origin that is no node's, so
+/// no agent sends it anywhere (streams use `origin 'none'`): a way to make a
+/// row exist on one node only, without a tombstone anywhere.
+async fn write_unreplicated(c: &TestCluster, i: usize, sql: &str) -> Result<()> {
+    let client = c.pg[i].connect().await?;
+    client
+        .batch_execute(
+            "SELECT pg_replication_origin_create('test_unreplicated')
+               WHERE NOT EXISTS (SELECT 1 FROM pg_replication_origin WHERE roname = 'test_unreplicated');
+             SELECT pg_replication_origin_session_setup('test_unreplicated');",
+        )
+        .await?;
+    client.batch_execute(sql).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// mm.conflict_log.
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Logged {
+    ty: String,
+    relation: String,
+    key: Option<String>,
+    local_origin: Option<String>,
+    local_ts: Option<String>,
+    remote_origin: Option<String>,
+    remote_ts: Option<String>,
+    resolution: String,
+}
+
+#[derive(Debug, Clone)]
+struct Expected {
+    row: Logged,
+    /// The remote transaction's WAL range: remote_lsn must lie in (lo, hi].
+    lsn: (u64, u64),
+}
+
+/// The conflict_log row a conflict must leave. `key` is the jsonb text as
+/// PostgreSQL prints it (`{"id": 1}`); `local` is the write that made the
+/// local version (a row or a delete), `None` when there was none.
+fn logged(
+    ty: &str,
+    relation: &str,
+    key: &str,
+    local: Option<&W>,
+    remote: &W,
+    resolution: &str,
+) -> Expected {
+    Expected {
+        row: Logged {
+            ty: ty.to_owned(),
+            relation: relation.to_owned(),
+            key: Some(key.to_owned()),
+            local_origin: local.map(|w| w.node.clone()),
+            local_ts: local.map(|w| w.ts.clone()),
+            remote_origin: Some(remote.node.clone()),
+            remote_ts: Some(remote.ts.clone()),
+            resolution: resolution.to_owned(),
+        },
+        lsn: (remote.lsn_lo, remote.lsn_hi),
+    }
+}
+
+async fn conflict_log(c: &TestCluster, i: usize) -> Result<Vec<(Logged, Option<String>)>> {
+    let rows = c
+        .rows(
+            i,
+            &format!(
+                "SELECT conflict_type, relation, key::text, local_origin, {}, remote_origin, {}, \
+                 resolution, remote_lsn::text FROM mm.conflict_log ORDER BY id",
+                ts_sql("local_commit_ts"),
+                ts_sql("remote_commit_ts")
+            ),
+        )
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let s = |k: usize| r[k].clone().unwrap_or_default();
+            (
+                Logged {
+                    ty: s(0),
+                    relation: s(1),
+                    key: r[2].clone(),
+                    local_origin: r[3].clone(),
+                    local_ts: r[4].clone(),
+                    remote_origin: r[5].clone(),
+                    remote_ts: r[6].clone(),
+                    resolution: s(7),
+                },
+                r[8].clone(),
+            )
+        })
+        .collect())
+}
+
+/// Node `i`'s conflict log holds exactly `want` (in any order).
+async fn assert_log(c: &TestCluster, i: usize, mut want: Vec<Expected>) -> Result<()> {
+    let mut got = conflict_log(c, i).await?;
+    got.sort();
+    want.sort_by(|a, b| a.row.cmp(&b.row));
+    let got_rows: Vec<&Logged> = got.iter().map(|(l, _)| l).collect();
+    let want_rows: Vec<&Logged> = want.iter().map(|e| &e.row).collect();
+    if got_rows != want_rows {
+        bail!(
+            "mm.conflict_log on {} differs\n got ({}):\n{}\nwant ({}):\n{}",
+            c.pg[i].name(),
+            got_rows.len(),
+            got_rows
+                .iter()
+                .map(|r| format!("  {r:?}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            want_rows.len(),
+            want_rows
+                .iter()
+                .map(|r| format!("  {r:?}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        );
+    }
+    for ((row, lsn), e) in got.iter().zip(&want) {
+        let lsn = lsn
+            .as_deref()
+            .with_context(|| format!("on {}: remote_lsn is NULL in {row:?}", c.pg[i].name()))?;
+        let l = parse_lsn(lsn)?;
+        ensure!(
+            e.lsn.0 < l && l <= e.lsn.1,
+            "on {}: remote_lsn {lsn} of {row:?} is not the remote transaction's commit (it lies in {}..{})",
+            c.pg[i].name(),
+            fmt_lsn(e.lsn.0),
+            fmt_lsn(e.lsn.1)
+        );
+    }
+    Ok(())
+}
+
+/// `(local_tuple->>'v', remote_tuple->>'v')` of node `i`'s only conflict of `ty`.
+async fn tuple_vs(c: &TestCluster, i: usize, ty: &str) -> Result<(Option<String>, Option<String>)> {
+    let rows = c
+        .rows(
+            i,
+            &format!(
+                "SELECT local_tuple->>'v', remote_tuple->>'v' FROM mm.conflict_log WHERE conflict_type = '{ty}'"
+            ),
+        )
+        .await?;
+    ensure!(
+        rows.len() == 1,
+        "{} has {} {ty} rows",
+        c.pg[i].name(),
+        rows.len()
+    );
+    Ok((rows[0][0].clone(), rows[0][1].clone()))
+}
+
+// ---------------------------------------------------------------------------
+// Rows.
+
+fn row(cells: &[&str]) -> Vec<Option<String>> {
+    cells
+        .iter()
+        .map(|c| (*c != "NULL").then(|| (*c).to_owned()))
+        .collect()
+}
+
+async fn assert_rows(c: &TestCluster, i: usize, sql: &str, want: &[&[&str]]) -> Result<()> {
+    let got = c.rows(i, sql).await?;
+    let want: Vec<Vec<Option<String>>> = want.iter().map(|r| row(r)).collect();
+    ensure!(
+        got == want,
+        "{sql} on {}:\n got {got:?}\nwant {want:?}",
+        c.pg[i].name()
+    );
+    Ok(())
+}
+
+/// The commit timestamp of the surviving row `id` of `t` on node `i`.
+async fn row_ts(c: &TestCluster, i: usize, table: &str, id: i32) -> Result<Option<String>> {
+    c.pg[i]
+        .query_one_string(&format!(
+            "SELECT {} FROM {table} WHERE id = {id}",
+            ts_sql("pg_xact_commit_timestamp(xmin)")
+        ))
+        .await
+}
+
+/// Waits until status shows at least `min` routine changes on the stream
+/// `from` -> `to` (the counter is refreshed on the stream's feedback tick, a
+/// moment after the changes are applied); returns the last value seen.
+async fn wait_routine(c: &TestCluster, from: &str, to: &str, min: u64) -> Result<Option<u64>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = c.stream_status(from, to).await?["routine"].as_u64();
+        if n >= Some(min) || std::time::Instant::now() > deadline {
+            return Ok(n);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Clusters.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Res {
+    Lww,
+    Fww,
+    ApplyRemote,
+    KeepLocal,
+}
+
+impl Res {
+    fn name(self) -> &'static str {
+        match self {
+            Res::Lww => "last_writer_wins",
+            Res::Fww => "first_writer_wins",
+            Res::ApplyRemote => "apply_remote",
+            Res::KeepLocal => "keep_local",
+        }
+    }
+
+    /// Does the incoming change win, when it is (not) the later one? (Every
+    /// scenario here has a local version: a row or a tombstone.)
+    fn remote_wins(self, remote_is_later: bool) -> bool {
+        match self {
+            Res::Lww => remote_is_later,
+            Res::Fww => !remote_is_later,
+            Res::ApplyRemote => true,
+            Res::KeepLocal => false,
+        }
+    }
+
+    fn label(self, remote_is_later: bool) -> &'static str {
+        if self.remote_wins(remote_is_later) {
+            "apply_remote"
+        } else {
+            "keep_local"
+        }
+    }
+}
+
+async fn cluster_with(names: &[&str], schema: &str, agent_toml: &str) -> Result<TestCluster> {
+    TestCluster::start_opts(
+        names,
+        schema,
+        ClusterOptions {
+            agent_toml: agent_toml.to_owned(),
+            ..ClusterOptions::default()
+        },
+    )
+    .await
+}
+
+async fn cluster(names: &[&str], schema: &str, res: Res) -> Result<TestCluster> {
+    cluster_with(
+        names,
+        schema,
+        &format!("[conflicts]\nresolver = \"{}\"\n", res.name()),
+    )
+    .await
+}
+
+fn pair(prefix: &str) -> [String; 2] {
+    [format!("{prefix}1"), format!("{prefix}2")]
+}
+
+/// Pauses both streams between nodes 0 and 1.
+async fn pause_both(c: &TestCluster) -> Result<()> {
+    let (a, b) = (c.agents[0].name.clone(), c.agents[1].name.clone());
+    c.pause(&a, &b).await?;
+    c.pause(&b, &a).await
+}
+
+async fn resume_both_and_sync(c: &TestCluster) -> Result<()> {
+    let (a, b) = (c.agents[0].name.clone(), c.agents[1].name.clone());
+    c.resume(&a, &b).await?;
+    c.resume(&b, &a).await?;
+    c.wait_sync(90).await
+}
+
+/// Inserts the rows of `sql` on node 0 and waits until every node has them.
+async fn seed(c: &TestCluster, sql: &str) -> Result<()> {
+    c.pg[0].execute(sql).await?;
+    c.wait_sync(60).await?;
+    tokio::time::sleep(WATERMARK_SETTLE).await;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Two-node scenarios, parameterized by resolver. A writes first, B second.
+
+/// Both insert key 1: insert_exists on both sides.
+async fn insert_exists(prefix: &str, res: Res) -> Result<()> {
+    let names = pair(prefix);
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "INSERT INTO t VALUES (1, 'a')").await?;
+    let wb = write(&c, 1, "INSERT INTO t VALUES (1, 'b')").await?;
+    resume_both_and_sync(&c).await?;
+
+    let key = r#"{"id": 1}"#;
+    // On A the incoming insert (B's) is the later one; on B it is the earlier.
+    let (on_a, on_b) = (res.remote_wins(true), res.remote_wins(false));
+    assert_rows(&c, 0, DUMP_T, &[&["1", if on_a { "b" } else { "a" }]]).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", if on_b { "a" } else { "b" }]]).await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "insert_exists",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            res.label(true),
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "insert_exists",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            res.label(false),
+        )],
+    )
+    .await?;
+    // The log keeps both versions of the row.
+    assert_eq!(
+        tuple_vs(&c, 0, "insert_exists").await?,
+        (Some("a".into()), Some("b".into()))
+    );
+    assert_eq!(
+        tuple_vs(&c, 1, "insert_exists").await?,
+        (Some("b".into()), Some("a".into()))
+    );
+    // A row taken from the peer keeps the peer's commit timestamp.
+    if on_a {
+        assert_eq!(row_ts(&c, 0, "t", 1).await?, Some(wb.ts.clone()));
+    }
+    if on_b {
+        assert_eq!(row_ts(&c, 1, "t", 1).await?, Some(wa.ts.clone()));
+    }
+    Ok(())
+}
+
+/// Both update key 1 (inserted on A and replicated first): update_origin_differs.
+async fn update_origin_differs(prefix: &str, res: Res) -> Result<()> {
+    let names = pair(prefix);
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
+    let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+
+    let key = r#"{"id": 1}"#;
+    let (on_a, on_b) = (res.remote_wins(true), res.remote_wins(false));
+    assert_rows(&c, 0, DUMP_T, &[&["1", if on_a { "b" } else { "a" }]]).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", if on_b { "a" } else { "b" }]]).await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_origin_differs",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            res.label(true),
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_origin_differs",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            res.label(false),
+        )],
+    )
+    .await?;
+    assert_eq!(
+        tuple_vs(&c, 0, "update_origin_differs").await?,
+        (Some("a".into()), Some("b".into()))
+    );
+    Ok(())
+}
+
+/// A updates key 1 while B deletes it; `delete_first`: B's delete commits
+/// before A's update, else after. A sees delete_origin_differs (its row vs
+/// B's delete), B sees update_deleted (its tombstone vs A's update).
+async fn update_vs_delete(prefix: &str, res: Res, delete_first: bool) -> Result<()> {
+    let names = pair(prefix);
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let (wa, wb) = if delete_first {
+        let wb = write(&c, 1, "DELETE FROM t WHERE id = 1").await?;
+        let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
+        (wa, wb)
+    } else {
+        let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
+        let wb = write(&c, 1, "DELETE FROM t WHERE id = 1").await?;
+        (wa, wb)
+    };
+    resume_both_and_sync(&c).await?;
+
+    let key = r#"{"id": 1}"#;
+    // On A the incoming change is B's delete; on B, A's update.
+    let delete_is_later = !delete_first;
+    let on_a = res.remote_wins(delete_is_later);
+    let on_b = res.remote_wins(!delete_is_later);
+    // A: the delete wins -> no row; else A's updated row stays.
+    let a_rows: &[&[&str]] = if on_a { &[] } else { &[&["1", "a"]] };
+    // B: the update wins -> it becomes an insert of A's full row; else deleted.
+    let b_rows: &[&[&str]] = if on_b { &[&["1", "a"]] } else { &[] };
+    assert_rows(&c, 0, DUMP_T, a_rows).await?;
+    assert_rows(&c, 1, DUMP_T, b_rows).await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "delete_origin_differs",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            res.label(delete_is_later),
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_deleted",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            res.label(!delete_is_later),
+        )],
+    )
+    .await?;
+    if on_b {
+        // The row B re-created carries A's update's commit timestamp.
+        assert_eq!(row_ts(&c, 1, "t", 1).await?, Some(wa.ts.clone()));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// last_writer_wins (the default): every conflict type.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_insert_exists() -> Result<()> {
+    mm_tests::init_tracing();
+    insert_exists("lie", Res::Lww).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_update_origin_differs() -> Result<()> {
+    mm_tests::init_tracing();
+    update_origin_differs("luo", Res::Lww).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_update_then_later_delete() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("lud", Res::Lww, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_delete_then_later_update() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("ldu", Res::Lww, true).await
+}
+
+/// An update of a row the receiving node never had (and never deleted)
+/// becomes an insert of the full new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_update_missing() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lum1", "lum2"], T_SCHEMA, Res::Lww).await?;
+    write_unreplicated(&c, 0, "INSERT INTO t VALUES (1, 'only on A')").await?;
+    let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
+    c.wait_sync(60).await?;
+    let want: &[&[&str]] = &[&["1", "a"]];
+    assert_rows(&c, 0, DUMP_T, want).await?;
+    assert_rows(&c, 1, DUMP_T, want).await?;
+    assert_eq!(row_ts(&c, 1, "t", 1).await?, Some(wa.ts.clone()));
+    assert_log(&c, 0, vec![]).await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_missing",
+            "public.t",
+            r#"{"id": 1}"#,
+            None,
+            &wa,
+            "apply_remote",
+        )],
+    )
+    .await
+}
+
+/// A delete of a row the receiving node never had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_delete_missing() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["ldm1", "ldm2"], T_SCHEMA, Res::Lww).await?;
+    write_unreplicated(&c, 0, "INSERT INTO t VALUES (1, 'only on A')").await?;
+    let wa = write(&c, 0, "DELETE FROM t WHERE id = 1").await?;
+    c.wait_sync(60).await?;
+    assert_rows(&c, 0, DUMP_T, &[]).await?;
+    assert_rows(&c, 1, DUMP_T, &[]).await?;
+    assert_log(&c, 0, vec![]).await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "delete_missing",
+            "public.t",
+            r#"{"id": 1}"#,
+            None,
+            &wa,
+            "apply_remote",
+        )],
+    )
+    .await
+}
+
+/// Both delete the same row: each side's local version is its own
+/// tombstone; the later delete is the one both keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_delete_missing_both_deleted() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["ldd1", "ldd2"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "DELETE FROM t WHERE id = 1").await?;
+    let wb = write(&c, 1, "DELETE FROM t WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+    assert_rows(&c, 0, DUMP_T, &[]).await?;
+    assert_rows(&c, 1, DUMP_T, &[]).await?;
+    let key = r#"{"id": 1}"#;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "delete_missing",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "delete_missing",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            "keep_local",
+        )],
+    )
+    .await
+}
+
+const U_SCHEMA: &str = "CREATE TABLE u (id int PRIMARY KEY, email text NOT NULL UNIQUE, v text);";
+const DUMP_U: &str = "SELECT id, email, v FROM u ORDER BY id";
+
+/// B changes row 2's unique column to a value A's new row 3 holds.
+/// A: update_exists (B's later update wins, A's row 3 goes);
+/// B: the insert of row 3 collides on the unique column (insert_exists, B's
+/// later row wins). Both end with rows 1 and 2 only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_update_exists() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lux1", "lux2"], U_SCHEMA, Res::Lww).await?;
+    seed(
+        &c,
+        "INSERT INTO u VALUES (1, 'x1', 'init'), (2, 'x2', 'init')",
+    )
+    .await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "INSERT INTO u VALUES (3, 'y', 'a')").await?;
+    let wb = write(&c, 1, "UPDATE u SET email = 'y', v = 'b' WHERE id = 2").await?;
+    resume_both_and_sync(&c).await?;
+    let want: &[&[&str]] = &[&["1", "x1", "init"], &["2", "y", "b"]];
+    assert_rows(&c, 0, DUMP_U, want).await?;
+    assert_rows(&c, 1, DUMP_U, want).await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_exists",
+            "public.u",
+            r#"{"id": 2}"#,
+            Some(&wa),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "insert_exists",
+            "public.u",
+            r#"{"id": 3}"#,
+            Some(&wb),
+            &wa,
+            "keep_local",
+        )],
+    )
+    .await
+}
+
+/// A's insert (1, 'e2') meets B's rows (1, 'e1') and (2, 'e2'): on B it
+/// collides with row 1 by the primary key and row 2 by the unique column.
+/// `a_first`: A's insert is the older one and loses; else it wins.
+async fn multiple_unique(prefix: &str, a_first: bool) -> Result<()> {
+    let names = pair(prefix);
+    let c = cluster(&[&names[0], &names[1]], U_SCHEMA, Res::Lww).await?;
+    pause_both(&c).await?;
+    let a_sql = "INSERT INTO u VALUES (1, 'e2', 'a')";
+    let b_sql = "INSERT INTO u VALUES (1, 'e1', 'b'), (2, 'e2', 'b')";
+    let (wa, wb) = if a_first {
+        let wa = write(&c, 0, a_sql).await?;
+        (wa, write(&c, 1, b_sql).await?)
+    } else {
+        let wb = write(&c, 1, b_sql).await?;
+        (write(&c, 0, a_sql).await?, wb)
+    };
+    resume_both_and_sync(&c).await?;
+    if a_first {
+        // B's rows win everywhere. On A, B's row 1 replaces A's row 1 (same
+        // key, B later); B's row 2 then collides with nothing.
+        let want: &[&[&str]] = &[&["1", "e1", "b"], &["2", "e2", "b"]];
+        assert_rows(&c, 0, DUMP_U, want).await?;
+        assert_rows(&c, 1, DUMP_U, want).await?;
+        assert_log(
+            &c,
+            0,
+            vec![logged(
+                "insert_exists",
+                "public.u",
+                r#"{"id": 1}"#,
+                Some(&wa),
+                &wb,
+                "apply_remote",
+            )],
+        )
+        .await?;
+        assert_log(
+            &c,
+            1,
+            vec![logged(
+                "multiple_unique_conflicts",
+                "public.u",
+                r#"{"id": 1}"#,
+                Some(&wb),
+                &wa,
+                "keep_local",
+            )],
+        )
+        .await?;
+    } else {
+        // A's row wins everywhere: on B both colliding rows give way to it;
+        // on A, B's two rows each lose to A's row 1.
+        let want: &[&[&str]] = &[&["1", "e2", "a"]];
+        assert_rows(&c, 0, DUMP_U, want).await?;
+        assert_rows(&c, 1, DUMP_U, want).await?;
+        assert_log(
+            &c,
+            0,
+            vec![
+                logged(
+                    "insert_exists",
+                    "public.u",
+                    r#"{"id": 1}"#,
+                    Some(&wa),
+                    &wb,
+                    "keep_local",
+                ),
+                logged(
+                    "insert_exists",
+                    "public.u",
+                    r#"{"id": 2}"#,
+                    Some(&wa),
+                    &wb,
+                    "keep_local",
+                ),
+            ],
+        )
+        .await?;
+        assert_log(
+            &c,
+            1,
+            vec![logged(
+                "multiple_unique_conflicts",
+                "public.u",
+                r#"{"id": 1}"#,
+                Some(&wb),
+                &wa,
+                "apply_remote",
+            )],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_multiple_unique_conflicts_incoming_older() -> Result<()> {
+    mm_tests::init_tracing();
+    multiple_unique("lmo", true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_multiple_unique_conflicts_incoming_newer() -> Result<()> {
+    mm_tests::init_tracing();
+    multiple_unique("lmn", false).await
+}
+
+// ---------------------------------------------------------------------------
+// first_writer_wins, apply_remote, keep_local: the main conflict types.
+// apply_remote and keep_local do not converge by design; each node's own
+// outcome is checked.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fww_insert_exists() -> Result<()> {
+    mm_tests::init_tracing();
+    insert_exists("fie", Res::Fww).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fww_update_origin_differs() -> Result<()> {
+    mm_tests::init_tracing();
+    update_origin_differs("fuo", Res::Fww).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fww_update_then_later_delete() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("fud", Res::Fww, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fww_delete_then_later_update() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("fdu", Res::Fww, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_insert_exists() -> Result<()> {
+    mm_tests::init_tracing();
+    insert_exists("aie", Res::ApplyRemote).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_update_origin_differs() -> Result<()> {
+    mm_tests::init_tracing();
+    update_origin_differs("auo", Res::ApplyRemote).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_update_then_later_delete() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("aud", Res::ApplyRemote, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_remote_delete_then_later_update() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("adu", Res::ApplyRemote, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_local_insert_exists() -> Result<()> {
+    mm_tests::init_tracing();
+    insert_exists("kie", Res::KeepLocal).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_local_update_origin_differs() -> Result<()> {
+    mm_tests::init_tracing();
+    update_origin_differs("kuo", Res::KeepLocal).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_local_update_then_later_delete() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("kud", Res::KeepLocal, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_local_delete_then_later_update() -> Result<()> {
+    mm_tests::init_tracing();
+    update_vs_delete("kdu", Res::KeepLocal, true).await
+}
+
+// ---------------------------------------------------------------------------
+// error: the stream stops at the transaction until `mmctl skip`.
+
+/// The commit LSN an error message names ("... commit LSN 0/1A2B3C8 ...").
+fn commit_lsn_in(err: &str) -> Result<String> {
+    let at = err
+        .find("LSN ")
+        .with_context(|| format!("no LSN in error: {err}"))?;
+    let lsn: String = err[at + 4..]
+        .chars()
+        .take_while(|ch| ch.is_ascii_hexdigit() || *ch == '/')
+        .collect();
+    parse_lsn(&lsn).with_context(|| format!("error: {err}"))?;
+    Ok(lsn)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_resolver_stops_the_stream_until_skip() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster_with(
+        &["er1", "er2"],
+        T_SCHEMA,
+        "[conflicts.tables]\n\"public.t\" = \"error\"\n",
+    )
+    .await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "INSERT INTO t VALUES (1, 'a')").await?;
+    write(&c, 1, "INSERT INTO t VALUES (10, 'before')").await?;
+    let wb = write(&c, 1, "INSERT INTO t VALUES (1, 'b')").await?;
+    write(&c, 1, "INSERT INTO t VALUES (11, 'after')").await?;
+    c.resume("er1", "er2").await?;
+    c.resume("er2", "er1").await?;
+
+    // er2 -> er1 stops at B's conflicting transaction, naming the peer,
+    // relation and conflict type; the one before it is applied, the one
+    // after it is not (commit order).
+    let timeout = Duration::from_secs(60);
+    let s = c
+        .wait_stream(
+            "er2",
+            "er1",
+            "error",
+            &["er2", "public.t", "insert_exists"],
+            timeout,
+        )
+        .await?;
+    let err = s["last_error"].as_str().unwrap_or_default().to_owned();
+    let lsn_b = commit_lsn_in(&err)?;
+    let l = parse_lsn(&lsn_b)?;
+    ensure!(
+        wb.lsn_lo < l && l <= wb.lsn_hi,
+        "the error names LSN {lsn_b}, not the conflicting transaction's commit ({}..{}): {err}",
+        fmt_lsn(wb.lsn_lo),
+        fmt_lsn(wb.lsn_hi)
+    );
+    // And er1 -> er2 stops at A's insert.
+    let s = c
+        .wait_stream(
+            "er1",
+            "er2",
+            "error",
+            &["er1", "public.t", "insert_exists"],
+            timeout,
+        )
+        .await?;
+    let lsn_a = commit_lsn_in(s["last_error"].as_str().unwrap_or_default())?;
+    let l = parse_lsn(&lsn_a)?;
+    ensure!(wa.lsn_lo < l && l <= wa.lsn_hi, "er1's LSN {lsn_a}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A has B's transaction before the stuck one, not the one after it.
+    assert_rows(&c, 0, DUMP_T, &[&["1", "a"], &["10", "before"]]).await?;
+    assert_rows(
+        &c,
+        1,
+        DUMP_T,
+        &[&["1", "b"], &["10", "before"], &["11", "after"]],
+    )
+    .await?;
+    // A stopped transaction leaves no conflict_log row (it rolled back).
+    assert_log(&c, 0, vec![]).await?;
+    assert_log(&c, 1, vec![]).await?;
+
+    // `mmctl skip` on each node skips exactly that transaction; the ones
+    // after it apply. (Needs `mmctl skip`: if this step fails with a usage
+    // error, skip is not merged yet.)
+    c.mmctl(0, &["skip", "--from", "er2", "--lsn", &lsn_b])
+        .await?
+        .ok()
+        .context("mmctl skip on er1")?;
+    c.mmctl(1, &["skip", "--from", "er1", "--lsn", &lsn_a])
+        .await?
+        .ok()
+        .context("mmctl skip on er2")?;
+    c.wait_sync(90).await?;
+    assert_rows(
+        &c,
+        0,
+        DUMP_T,
+        &[&["1", "a"], &["10", "before"], &["11", "after"]],
+    )
+    .await?;
+    assert_rows(
+        &c,
+        1,
+        DUMP_T,
+        &[&["1", "b"], &["10", "before"], &["11", "after"]],
+    )
+    .await?;
+    for (i, from, lsn) in [(0, "er2", &lsn_b), (1, "er1", &lsn_a)] {
+        let rows = c
+            .rows(
+                i,
+                "SELECT conflict_type, relation, remote_origin, resolution, remote_lsn::text \
+                 FROM mm.conflict_log ORDER BY id",
+            )
+            .await?;
+        ensure!(
+            rows.len() == 1
+                && rows[0][..4] == row(&["skipped_transaction", "", from, "skipped"])[..]
+                && rows[0][4].as_deref().map(parse_lsn).transpose()? == Some(parse_lsn(lsn)?),
+            "conflict log on {}: want one skipped_transaction from {from} at {lsn}, got {rows:?}",
+            c.pg[i].name()
+        );
+        assert_eq!(
+            c.rows(i, "SELECT count(*) FROM mm.skip_requests").await?,
+            vec![row(&["0"])],
+            "the skip request on node {i} was not consumed"
+        );
+    }
+    for (from, to) in [("er1", "er2"), ("er2", "er1")] {
+        let s = c.stream_status(from, to).await?;
+        assert_eq!(s["state"].as_str(), Some("streaming"), "{s}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// sql:SCHEMA.FUNC: a counter that adds up concurrent increments.
+
+const COUNTER_SCHEMA: &str = "
+CREATE TABLE counters (id int PRIMARY KEY, n bigint NOT NULL);
+-- The old row must carry n for the resolver to compute the increment.
+ALTER TABLE counters REPLICA IDENTITY FULL;
+CREATE SCHEMA app;
+CREATE FUNCTION app.sum_counter(c jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  IF jsonb_typeof(c->'local') IS DISTINCT FROM 'object' THEN
+    RETURN c->'remote_new';
+  END IF;
+  IF jsonb_typeof(c->'remote_new') IS DISTINCT FROM 'object' THEN
+    RETURN NULL;
+  END IF;
+  RETURN jsonb_set(c->'local', '{n}', to_jsonb(
+    (c->'local'->>'n')::bigint + (c->'remote_new'->>'n')::bigint
+      - coalesce((c->'remote_old'->>'n')::bigint, 0)));
+END
+$$;
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_resolver_sums_concurrent_increments() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster_with(
+        &["sq1", "sq2"],
+        COUNTER_SCHEMA,
+        "[conflicts.tables]\n\"public.counters\" = \"sql:app.sum_counter\"\n",
+    )
+    .await?;
+    seed(&c, "INSERT INTO counters VALUES (1, 10), (2, 100)").await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "UPDATE counters SET n = n + 5 WHERE id = 1").await?;
+    let wb = write(
+        &c,
+        1,
+        "UPDATE counters SET n = n + 7 WHERE id = 1; UPDATE counters SET n = n - 1 WHERE id = 2",
+    )
+    .await?;
+    resume_both_and_sync(&c).await?;
+    // 10 + 5 + 7 on both; row 2 had no conflict.
+    let want: &[&[&str]] = &[&["1", "22"], &["2", "99"]];
+    let dump = "SELECT id, n FROM counters ORDER BY id";
+    assert_rows(&c, 0, dump, want).await?;
+    assert_rows(&c, 1, dump, want).await?;
+    let key = r#"{"id": 1}"#;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_origin_differs",
+            "public.counters",
+            key,
+            Some(&wa),
+            &wb,
+            "merged",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_origin_differs",
+            "public.counters",
+            key,
+            Some(&wb),
+            &wa,
+            "merged",
+        )],
+    )
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// rust:NAME: a resolver registered by a binary embedding the agent.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_rust_resolver_max_value() -> Result<()> {
+    mm_tests::init_tracing();
+    let bin = mm_tests::agent::target_bin("mm-agent-custom", "MM_AGENT_CUSTOM_BIN")?;
+    let c = TestCluster::start_opts(
+        &["rs1", "rs2"],
+        "CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL);",
+        ClusterOptions {
+            agent_toml: "[conflicts.tables]\n\"public.t\" = \"rust:max_value\"\n".into(),
+            agent_bin: Some(bin),
+            ..ClusterOptions::default()
+        },
+    )
+    .await?;
+    seed(&c, "INSERT INTO t VALUES (2, 0)").await?;
+    pause_both(&c).await?;
+    // Key 1: A's larger value is the older write (last_writer_wins would
+    // keep 20). Key 3: A's larger value is the newer one (first_writer_wins
+    // would keep 70). Key 2: A's larger update is the older one.
+    let wa1 = write(&c, 0, "INSERT INTO t VALUES (1, 50)").await?;
+    let wb1 = write(&c, 1, "INSERT INTO t VALUES (1, 20)").await?;
+    let wa2 = write(&c, 0, "UPDATE t SET v = 9 WHERE id = 2").await?;
+    let wb2 = write(&c, 1, "UPDATE t SET v = 3 WHERE id = 2").await?;
+    let wb3 = write(&c, 1, "INSERT INTO t VALUES (3, 70)").await?;
+    let wa3 = write(&c, 0, "INSERT INTO t VALUES (3, 80)").await?;
+    resume_both_and_sync(&c).await?;
+    let want: &[&[&str]] = &[&["1", "50"], &["2", "9"], &["3", "80"]];
+    assert_rows(&c, 0, DUMP_T, want).await?;
+    assert_rows(&c, 1, DUMP_T, want).await?;
+    let k = |i: i32| format!("{{\"id\": {i}}}");
+    assert_log(
+        &c,
+        0,
+        vec![
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(1),
+                Some(&wa1),
+                &wb1,
+                "keep_local",
+            ),
+            logged(
+                "update_origin_differs",
+                "public.t",
+                &k(2),
+                Some(&wa2),
+                &wb2,
+                "keep_local",
+            ),
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(3),
+                Some(&wa3),
+                &wb3,
+                "keep_local",
+            ),
+        ],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(1),
+                Some(&wb1),
+                &wa1,
+                "apply_remote",
+            ),
+            logged(
+                "update_origin_differs",
+                "public.t",
+                &k(2),
+                Some(&wb2),
+                &wa2,
+                "apply_remote",
+            ),
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(3),
+                Some(&wb3),
+                &wa3,
+                "apply_remote",
+            ),
+        ],
+    )
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// Three nodes: changes arriving out of order through different paths.
+
+/// C inserts rows 1 and 2; B (which received them) updates row 1 and
+/// deletes row 2 while C -> A is paused. A gets B's changes first
+/// (update_missing -> insert of B's full row; delete_missing -> tombstone),
+/// then C's older inserts, which lose to them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_late_insert_loses_to_newer_update_and_delete() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["tn1", "tn2", "tn3"], T_SCHEMA, Res::Lww).await?;
+    c.pause("tn3", "tn1").await?;
+    let wc = write(&c, 2, "INSERT INTO t VALUES (1, 'c'), (2, 'c2')").await?;
+    c.wait_for(1, "SELECT count(*) FROM t", "2", Duration::from_secs(30))
+        .await?;
+    tokio::time::sleep(WATERMARK_SETTLE).await;
+    let wb1 = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    let wb2 = write(&c, 1, "DELETE FROM t WHERE id = 2").await?;
+    c.wait_for(
+        0,
+        "SELECT v FROM t WHERE id = 1",
+        "b",
+        Duration::from_secs(30),
+    )
+    .await?;
+    c.wait_sync(60).await?;
+    assert_rows(&c, 0, DUMP_T, &[&["1", "b"]]).await?;
+    c.resume("tn3", "tn1").await?;
+    c.wait_sync(90).await?;
+
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_T, &[&["1", "b"]]).await?;
+    }
+    assert_eq!(row_ts(&c, 0, "t", 1).await?, Some(wb1.ts.clone()));
+    let k = |i: i32| format!("{{\"id\": {i}}}");
+    assert_log(
+        &c,
+        0,
+        vec![
+            logged(
+                "update_missing",
+                "public.t",
+                &k(1),
+                None,
+                &wb1,
+                "apply_remote",
+            ),
+            logged(
+                "delete_missing",
+                "public.t",
+                &k(2),
+                None,
+                &wb2,
+                "apply_remote",
+            ),
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(1),
+                Some(&wb1),
+                &wc,
+                "keep_local",
+            ),
+            // The row is gone: its tombstone (B's delete) is the local version.
+            logged(
+                "insert_exists",
+                "public.t",
+                &k(2),
+                Some(&wb2),
+                &wc,
+                "keep_local",
+            ),
+        ],
+    )
+    .await?;
+    // B and C saw everything in order: nothing to resolve, and on C B's
+    // changes to C's rows were routine.
+    assert_log(&c, 1, vec![]).await?;
+    assert_log(&c, 2, vec![]).await?;
+    let routine = wait_routine(&c, "tn2", "tn3", 2).await?;
+    assert!(
+        routine >= Some(2),
+        "tn2 -> tn3 should count B's update and delete of C's rows as routine: {routine:?}"
+    );
+    Ok(())
+}
+
+const DOC_SCHEMA: &str = "
+CREATE TABLE doc (id int PRIMARY KEY, big text, v text);
+ALTER TABLE doc ALTER COLUMN big SET STORAGE EXTERNAL;
+";
+
+/// As above, but B's update leaves a TOASTed column unchanged, so it
+/// arrives at A without that value: A cannot build the row and must not
+/// write NULL. The stream B -> A stops naming the relation and the column
+/// until C's insert has reached A; then everything converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_unchanged_toast_waits_for_the_row() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["to1", "to2", "to3"], DOC_SCHEMA, Res::Lww).await?;
+    c.pause("to3", "to1").await?;
+    // 200 md5 chains: 6400 bytes stored out of line (> 2 kB).
+    write(
+        &c,
+        2,
+        "INSERT INTO doc SELECT 1, string_agg(md5(g::text), '' ORDER BY g), 'c' FROM generate_series(1, 200) g",
+    )
+    .await?;
+    c.wait_for(1, "SELECT count(*) FROM doc", "1", Duration::from_secs(30))
+        .await?;
+    tokio::time::sleep(WATERMARK_SETTLE).await;
+    write(&c, 1, "UPDATE doc SET v = 'b' WHERE id = 1").await?;
+    let s = c
+        .wait_stream(
+            "to2",
+            "to1",
+            "error",
+            &["public.doc", "big"],
+            Duration::from_secs(60),
+        )
+        .await?;
+    tracing::info!(error = %s["last_error"], "B -> A stopped as it must");
+    assert_rows(&c, 0, "SELECT count(*) FROM doc", &[&["0"]]).await?;
+    c.resume("to3", "to1").await?;
+    c.wait_sync(120).await?;
+    let dump = "SELECT id, md5(big), length(big), v FROM doc ORDER BY id";
+    let rows = c.assert_same(dump).await?;
+    let want_md5 = c.pg[2]
+        .query_one_string(
+            "SELECT md5(string_agg(md5(g::text), '' ORDER BY g)) FROM generate_series(1, 200) g",
+        )
+        .await?;
+    assert_eq!(
+        rows,
+        vec![vec![
+            Some("1".into()),
+            want_md5,
+            Some("6400".into()),
+            Some("b".into())
+        ]]
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// True conflicts vs routine cross-origin changes.
+
+/// A change to a row another node wrote, made after this node had seen
+/// that row, is routine: applied, counted, not logged. Concurrent updates
+/// are true conflicts: exactly one log row per node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routine_changes_are_not_conflicts() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["rt1", "rt2"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'from A')").await?;
+    write(&c, 1, "UPDATE t SET v = 'B saw it' WHERE id = 1").await?;
+    write(&c, 1, "DELETE FROM t WHERE id = 1").await?;
+    write(&c, 1, "INSERT INTO t VALUES (2, 'from B')").await?;
+    c.wait_sync(60).await?;
+    tokio::time::sleep(WATERMARK_SETTLE).await;
+    write(&c, 0, "UPDATE t SET v = 'A saw it' WHERE id = 2").await?;
+    c.wait_sync(60).await?;
+    let want: &[&[&str]] = &[&["2", "A saw it"]];
+    assert_rows(&c, 0, DUMP_T, want).await?;
+    assert_rows(&c, 1, DUMP_T, want).await?;
+    assert_log(&c, 0, vec![]).await?;
+    assert_log(&c, 1, vec![]).await?;
+    let on_a = wait_routine(&c, "rt2", "rt1", 1).await?;
+    assert!(
+        on_a >= Some(1),
+        "rt2 -> rt1: B's update of A's row is routine: {on_a:?}"
+    );
+    let on_b = wait_routine(&c, "rt1", "rt2", 1).await?;
+    assert!(
+        on_b >= Some(1),
+        "rt1 -> rt2: A's update of B's row is routine: {on_b:?}"
+    );
+
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 2").await?;
+    let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 2").await?;
+    resume_both_and_sync(&c).await?;
+    let want: &[&[&str]] = &[&["2", "b"]];
+    assert_rows(&c, 0, DUMP_T, want).await?;
+    assert_rows(&c, 1, DUMP_T, want).await?;
+    let key = r#"{"id": 2}"#;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_origin_differs",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_origin_differs",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            "keep_local",
+        )],
+    )
+    .await?;
+    // The conflicts are counted per type in status.
+    let count = |s: serde_json::Value| s["conflicts"]["update_origin_differs"].as_u64();
+    assert_eq!(count(c.stream_status("rt2", "rt1").await?), Some(1));
+    assert_eq!(count(c.stream_status("rt1", "rt2").await?), Some(1));
+    Ok(())
+}
+
+/// A's local delete leaves a tombstone: B's older update, held back by the
+/// pause, arrives after the delete and must not bring the row back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_delete_tombstone_beats_an_older_update() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["ld1", "ld2"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init'), (2, 'keep')").await?;
+    c.pause("ld2", "ld1").await?;
+    let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    let wa = write(&c, 0, "DELETE FROM t WHERE id = 1").await?;
+    // A's delete reaches B (not paused) and wins there.
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM t WHERE id = 1",
+        "0",
+        Duration::from_secs(30),
+    )
+    .await?;
+    c.resume("ld2", "ld1").await?;
+    c.wait_sync(90).await?;
+    let want: &[&[&str]] = &[&["2", "keep"]];
+    assert_rows(&c, 0, DUMP_T, want).await?;
+    assert_rows(&c, 1, DUMP_T, want).await?;
+    let key = r#"{"id": 1}"#;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_deleted",
+            "public.t",
+            key,
+            Some(&wa),
+            &wb,
+            "keep_local",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "delete_origin_differs",
+            "public.t",
+            key,
+            Some(&wb),
+            &wa,
+            "apply_remote",
+        )],
+    )
+    .await
+}
