@@ -363,11 +363,14 @@ impl Applier {
     /// waiting for the flush position to pass it is the same rule as
     /// PostgreSQL's own get_flush_position, at the granularity of our ticks.
     pub async fn durable_progress(&mut self) -> Result<Lsn, ApplyFailure> {
-        match self.settle(0).await {
-            Err(f) if f.conflict => self.recover(f).await?,
-            r => r?,
+        // Everything queued must be answered; conflicts met on the way are
+        // resolved (which queues transactions again, hence the loop).
+        loop {
+            match self.settle(0).await {
+                Err(f) if f.conflict => self.recover(f).await?,
+                r => break r?,
+            }
         }
-        self.settle(0).await?;
         let row = self
             .client
             .query_one(&self.wal_positions, &[])
