@@ -968,6 +968,10 @@ async fn error_resolver_stops_the_stream_until_skip() -> Result<()> {
         )
         .await?;
     let err = s["last_error"].as_str().unwrap_or_default().to_owned();
+    ensure!(
+        err.contains(r#""id""#) && err.contains("1"),
+        "the error does not name the key: {err}"
+    );
     let lsn_b = commit_lsn_in(&err)?;
     let l = parse_lsn(&lsn_b)?;
     ensure!(
