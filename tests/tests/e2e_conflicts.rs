@@ -1453,6 +1453,46 @@ async fn routine_changes_are_not_conflicts() -> Result<()> {
     Ok(())
 }
 
+/// What a publisher had seen must survive a restart of the stream: B's
+/// updates to rows it had received are routine however the stream into A
+/// was interrupted just before them (paused and resumed; A's agent killed
+/// and restarted). The publisher's watermark announcements that preceded
+/// the interruption are not sent again (the slot resumes past them), so the
+/// receiving side has to keep what it had learnt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routine_survives_a_stream_restart() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = cluster(&["rr1", "rr2"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'from A'), (2, 'from A')").await?;
+
+    c.pause("rr2", "rr1").await?;
+    write(&c, 1, "UPDATE t SET v = 'B after pause' WHERE id = 1").await?;
+    c.resume("rr2", "rr1").await?;
+    c.wait_sync(60).await?;
+    assert_rows(&c, 0, DUMP_T, &[&["1", "B after pause"], &["2", "from A"]]).await?;
+    assert_log(&c, 0, vec![])
+        .await
+        .context("after pause/resume of rr2 -> rr1")?;
+
+    c.agents[0].kill9()?;
+    write(&c, 1, "UPDATE t SET v = 'B while A is down' WHERE id = 2").await?;
+    c.agents[0].start()?;
+    c.agents[0].wait_ready(Duration::from_secs(30)).await?;
+    c.wait_sync(60).await?;
+    assert_rows(
+        &c,
+        0,
+        DUMP_T,
+        &[&["1", "B after pause"], &["2", "B while A is down"]],
+    )
+    .await?;
+    assert_log(&c, 0, vec![])
+        .await
+        .context("after kill -9 and restart of rr1's agent")?;
+    assert_log(&c, 1, vec![]).await?;
+    Ok(())
+}
+
 /// A's local delete leaves a tombstone: B's older update, held back by the
 /// pause, arrives after the delete and must not bring the row back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
