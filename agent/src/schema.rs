@@ -24,6 +24,9 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_pos
                origin text PRIMARY KEY,
                remote_lsn pg_lsn NOT NULL,
                remote_commit_ts timestamptz);
+             -- The publisher's last watermark (see watermark.rs), stored with
+             -- the progress it is valid for.
+             ALTER TABLE mm.apply_progress ADD COLUMN IF NOT EXISTS watermark jsonb;
              -- Records an applied transaction's progress, only on top of the
              -- previous one's (so a transaction pipelined behind a failed one
              -- fails too), and gives the commit the remote commit timestamp

@@ -21,6 +21,8 @@ use crate::conflict::TableResolvers;
 
 /// Statements in flight per transaction before we wait for replies.
 const PIPELINE_WINDOW: usize = 2048;
+/// Transactions applied one at a time after a conflict (see `apply`).
+const CONFLICT_STREAK: u32 = 64;
 /// Rows per multi-row INSERT for runs of inserts into one table.
 const INSERT_BATCH: usize = 100;
 /// PostgreSQL's limit on bind parameters per statement.
@@ -84,6 +86,18 @@ impl Replayable for InMemory {
 
 pub type TxnBody = Arc<dyn Replayable>;
 
+/// The publisher's watermark as of some point of its stream: per origin
+/// node, the newest commit timestamp it had applied (see `watermark`). Each
+/// queued transaction keeps the one it was queued under, so a transaction
+/// applied again after a conflict is judged by what the publisher had seen
+/// when it committed it, not by a later announcement.
+#[derive(Debug)]
+pub struct Watermark {
+    pub map: BTreeMap<String, DateTime<Utc>>,
+    /// The same as `mm.routine` parameters: origin ids and timestamps.
+    params: (Param, Param),
+}
+
 /// Who is applying what, and how conflicts are decided.
 #[derive(Clone)]
 pub struct ApplyContext {
@@ -102,14 +116,12 @@ pub struct Applier {
     pub(super) peer_roident: u32,
     /// Local origin ids -> node names (0 is this node).
     pub(super) origins: HashMap<u32, String>,
-    /// The publisher's latest watermark: per origin node, the newest commit
-    /// timestamp it had applied (see `watermark`).
-    pub(super) watermarks: BTreeMap<String, DateTime<Utc>>,
-    /// The same as parameters of `mm.routine`: origin ids and timestamps.
-    wm_params: (Param, Param),
+    /// The publisher's watermark in effect for the transaction being queued.
+    pub(super) wm: Arc<Watermark>,
+    store_watermark: Statement,
     /// Transactions queued and not yet committed, with their changes, in
     /// order: what `recover` applies again.
-    queued: VecDeque<(TxnMeta, TxnBody)>,
+    queued: VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>,
     /// Commit LSNs of this publisher's transactions an operator asked to skip.
     skips: HashSet<Lsn>,
     /// Routine cross-origin changes: counted by `mm.routine` in a session
@@ -118,6 +130,8 @@ pub struct Applier {
     routine_fast: u64,
     routine_careful: u64,
     routine_taken: u64,
+    /// Transactions left to apply one at a time after a conflict.
+    streak: u32,
     pub(super) relations: HashMap<u32, LocalRelation>,
     begin: Statement,
     advance: Statement,
@@ -236,6 +250,18 @@ impl Applier {
             )
             .await
             .map_err(pg)?;
+        let store_watermark = client
+            .prepare("UPDATE mm.apply_progress SET watermark = $2::text::jsonb WHERE origin = $1")
+            .await
+            .map_err(pg)?;
+        let stored_wm: Option<serde_json::Value> = client
+            .query_one(
+                "SELECT watermark FROM mm.apply_progress WHERE origin = $1",
+                &[&origin],
+            )
+            .await
+            .map_err(pg)?
+            .get(0);
         let skip_rows = client
             .query(
                 "SELECT commit_lsn::text FROM mm.skip_requests WHERE from_node = $1",
@@ -256,13 +282,17 @@ impl Applier {
             ctx,
             peer_roident: 0,
             origins: HashMap::new(),
-            watermarks: BTreeMap::new(),
-            wm_params: (Param::text("{}".to_owned()), Param::text("{}".to_owned())),
+            wm: Arc::new(Watermark {
+                map: BTreeMap::new(),
+                params: (Param::text("{}".to_owned()), Param::text("{}".to_owned())),
+            }),
+            store_watermark,
             queued: VecDeque::new(),
             skips,
             routine_fast: 0,
             routine_careful: 0,
             routine_taken: 0,
+            streak: 0,
             relations: HashMap::new(),
             begin,
             advance,
@@ -273,6 +303,11 @@ impl Applier {
             durable: Lsn::INVALID,
         };
         applier.load_origins().await?;
+        if let Some(wm) = stored_wm
+            .and_then(|v| serde_json::from_value::<BTreeMap<String, DateTime<Utc>>>(v).ok())
+        {
+            applier.install_watermark(wm).await?;
+        }
         applier.peer_roident = applier
             .origins
             .iter()
@@ -309,8 +344,26 @@ impl Applier {
     }
 
     /// The publisher's watermark, effective for every change queued after
-    /// this call (it arrived in the stream before them).
+    /// this call (it arrived in the stream before them). Everything queued
+    /// before it is committed first, then it is stored with the progress:
+    /// the stream resumes past the message that carried it (an idle stream
+    /// confirms what it received), and a restarted stream without it would
+    /// take routine changes for conflicts until the next announcement.
     pub async fn set_watermarks(
+        &mut self,
+        wm: BTreeMap<String, DateTime<Utc>>,
+    ) -> Result<(), ApplyFailure> {
+        self.settle_all().await?;
+        let json = serde_json::to_string(&wm)
+            .map_err(|e| ApplyFailure::new(None, format!("watermark: {e}")))?;
+        self.client
+            .execute(&self.store_watermark, &[&self.origin, &json])
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        self.install_watermark(wm).await
+    }
+
+    async fn install_watermark(
         &mut self,
         wm: BTreeMap<String, DateTime<Utc>>,
     ) -> Result<(), ApplyFailure> {
@@ -328,11 +381,13 @@ impl Applier {
                 ts.push(format!("\"{}\"", t.format("%Y-%m-%d %H:%M:%S%.6f+00")));
             }
         }
-        self.wm_params = (
-            Param::text(format!("{{{}}}", ids.join(","))),
-            Param::text(format!("{{{}}}", ts.join(","))),
-        );
-        self.watermarks = wm;
+        self.wm = Arc::new(Watermark {
+            map: wm,
+            params: (
+                Param::text(format!("{{{}}}", ids.join(","))),
+                Param::text(format!("{{{}}}", ts.join(","))),
+            ),
+        });
         Ok(())
     }
 
@@ -352,8 +407,8 @@ impl Applier {
         [
             Param::text(self.peer_roident.to_string()),
             Param::text(txn.commit_ts.to_string()),
-            self.wm_params.0.clone(),
-            self.wm_params.1.clone(),
+            self.wm.params.0.clone(),
+            self.wm.params.1.clone(),
         ]
     }
 
@@ -363,14 +418,7 @@ impl Applier {
     /// waiting for the flush position to pass it is the same rule as
     /// PostgreSQL's own get_flush_position, at the granularity of our ticks.
     pub async fn durable_progress(&mut self) -> Result<Lsn, ApplyFailure> {
-        // Everything queued must be answered; conflicts met on the way are
-        // resolved (which queues transactions again, hence the loop).
-        loop {
-            match self.settle(0).await {
-                Err(f) if f.conflict => self.recover(f).await?,
-                r => break r?,
-            }
-        }
+        self.settle_all().await?;
         let row = self
             .client
             .query_one(&self.wal_positions, &[])
@@ -399,6 +447,17 @@ impl Applier {
         Ok(self.durable)
     }
 
+    /// Waits until everything queued is answered; conflicts met on the way
+    /// are resolved (which queues transactions again, hence the loop).
+    async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
+        loop {
+            match self.settle(0).await {
+                Err(f) if f.conflict => self.recover(f).await?,
+                r => return r,
+            }
+        }
+    }
+
     /// Applies a relation description that arrived outside a transaction.
     pub async fn relation(
         &mut self,
@@ -415,8 +474,16 @@ impl Applier {
     /// `settle` (carrying the failed transaction). A conflict met on the way
     /// is resolved here (`recover`), not returned.
     pub async fn apply(&mut self, meta: &TxnMeta, body: TxnBody) -> Result<(), ApplyFailure> {
-        self.queued.push_back((*meta, Arc::clone(&body)));
-        match self.queue_fast(meta, &body).await {
+        self.queued
+            .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
+        let mut r = self.queue_fast(meta, &body).await;
+        // Right after a conflict, more are likely (hot rows): wait for each
+        // transaction's reply, so the next conflict rolls back only itself.
+        if r.is_ok() && self.streak > 0 {
+            self.streak -= 1;
+            r = self.settle(0).await;
+        }
+        match r {
             Err(f) if f.conflict => self.recover(f).await,
             r => r,
         }
@@ -441,61 +508,75 @@ impl Applier {
     /// the resolver (one statement at a time), and queues the rest again.
     /// Invariant (commit order, exactly-once): the same transactions commit,
     /// in the same order, each once.
-    pub async fn recover(&mut self, mut failure: ApplyFailure) -> Result<(), ApplyFailure> {
-        loop {
-            let mut pipe = self.take_pipe()?;
-            pipe.drain().await;
-            let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
-            self.pipe = Some(pipe);
-            // Whatever was left open (a transaction queued only in part).
-            self.client
-                .batch_execute("ROLLBACK")
-                .await
-                .map_err(|e| ApplyFailure::from_pg(None, &e))?;
-            let mut pending: VecDeque<(TxnMeta, TxnBody)> = std::mem::take(&mut self.queued)
-                .into_iter()
-                .filter(|(m, _)| !committed.contains(&m.end_lsn))
-                .collect();
-            // What the first pending transaction finds stored: the end of
-            // the last committed one.
-            self.next_expected = committed
-                .last()
-                .copied()
-                .unwrap_or(self.last_applied)
-                .max(self.last_applied);
-            let Some((meta, body)) = pending.pop_front() else {
-                return Ok(());
-            };
-            if failure.txn.is_some_and(|t| t.end_lsn != meta.end_lsn) {
-                tracing::debug!(
-                    failed = ?failure.txn.map(|t| t.commit_lsn),
-                    first = %meta.commit_lsn,
-                    "conflict reported by a later transaction than the first uncommitted one"
-                );
-            }
-            // Kept queued while applied, so it is not lost if this fails.
-            self.queued.push_back((meta, Arc::clone(&body)));
-            self.apply_careful(&meta, &body).await?;
-            self.queued.pop_back();
-            self.next_expected = meta.end_lsn;
-            let mut again = None;
-            for (i, (m, b)) in pending.iter().enumerate() {
-                self.queued.push_back((*m, Arc::clone(b)));
-                if let Err(f) = self.queue_fast(m, b).await {
-                    // The rest stay queued for the next round.
-                    for (m2, b2) in pending.iter().skip(i + 1) {
-                        self.queued.push_back((*m2, Arc::clone(b2)));
-                    }
-                    again = Some(f);
-                    break;
+    pub async fn recover(&mut self, failure: ApplyFailure) -> Result<(), ApplyFailure> {
+        debug_assert!(failure.conflict);
+        let pending = self.roll_back_pipeline().await?;
+        if let Some(t) = failure.txn
+            && pending
+                .front()
+                .is_some_and(|(m, _, _)| m.end_lsn != t.end_lsn)
+        {
+            tracing::debug!(failed = %t.commit_lsn, "conflict reported behind the first uncommitted transaction");
+        }
+        let latest = Arc::clone(&self.wm);
+        let mut first = true;
+        // The first is the one that met the conflict; the others are applied
+        // one at a time: with conflicts dense, queuing them all again would
+        // roll them all back again at the next one.
+        for (m, b, w) in pending {
+            self.wm = Arc::clone(&w);
+            self.queued.push_back((m, Arc::clone(&b), w));
+            let careful = if std::mem::take(&mut first) {
+                true
+            } else {
+                match self.queue_fast(&m, &b).await {
+                    Ok(()) => self.settle(0).await,
+                    Err(f) => Err(f),
                 }
-            }
-            match again {
-                Some(f) if f.conflict => failure = f,
-                Some(f) => return Err(f),
-                None => return Ok(()),
+                .map_or_else(
+                    |f| if f.conflict { Ok(true) } else { Err(f) },
+                    |()| Ok(false),
+                )?
+            };
+            if careful {
+                // Only this transaction is in flight (or nothing).
+                let again = self.roll_back_pipeline().await?;
+                self.queued.extend(again);
+                self.apply_careful(&m, &b).await?;
+                self.next_expected = m.end_lsn;
             }
         }
+        self.wm = latest;
+        self.streak = CONFLICT_STREAK;
+        Ok(())
+    }
+
+    /// Waits out every statement in flight and rolls back whatever is open.
+    /// Returns the queued transactions that did not commit, in order (taken
+    /// out of the queue), and sets the progress the first of them expects.
+    #[allow(clippy::type_complexity)]
+    async fn roll_back_pipeline(
+        &mut self,
+    ) -> Result<VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>, ApplyFailure> {
+        let mut pipe = self.take_pipe()?;
+        pipe.drain().await;
+        let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
+        self.pipe = Some(pipe);
+        // Whatever was left open (a transaction queued only in part).
+        self.client
+            .batch_execute("ROLLBACK")
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        // The end of the last committed one is what the next one finds.
+        self.next_expected = committed
+            .last()
+            .copied()
+            .unwrap_or(self.last_applied)
+            .max(self.last_applied);
+        Ok(std::mem::take(&mut self.queued)
+            .into_iter()
+            .filter(|(m, _, _)| !committed.contains(&m.end_lsn) && m.end_lsn > self.last_applied)
+            .collect())
     }
 
     async fn queue(
@@ -683,7 +764,7 @@ impl Applier {
             while self
                 .queued
                 .front()
-                .is_some_and(|(m, _)| m.end_lsn <= d.meta.end_lsn)
+                .is_some_and(|(m, _, _)| m.end_lsn <= d.meta.end_lsn)
             {
                 self.queued.pop_front();
             }

@@ -318,7 +318,8 @@ impl Applier {
             return true;
         };
         let node = self.origin_name(v).unwrap_or_default();
-        self.watermarks
+        self.wm
+            .map
             .get(&node)
             .is_some_and(|w| ts <= *w && ts < remote_ts)
     }
