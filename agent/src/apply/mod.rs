@@ -58,6 +58,14 @@ impl ApplyFailure {
 
     pub fn from_pg(relation: Option<&str>, e: &tokio_postgres::Error) -> Self {
         match e.as_db_error() {
+            // The fast path's "changed no row" signal (schema.rs, mm.one_row).
+            Some(db) if db.constraint() == Some("mm_conflict") => ApplyFailure {
+                relation: relation.map(str::to_owned),
+                sqlstate: Some("MM001".to_owned()),
+                message: "mm: conflict, resolving (no row to change)".to_owned(),
+                txn: None,
+                conflict: false,
+            },
             Some(db) => ApplyFailure {
                 relation: relation.map(str::to_owned),
                 sqlstate: Some(db.code().code().to_owned()),

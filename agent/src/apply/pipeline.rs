@@ -132,7 +132,7 @@ impl Pipeline {
             };
             match res {
                 Ok(_) => match meta.kind {
-                    // Fast-path row statements return one row (mm.expect);
+                    // Fast-path row statements fail unless they change every row;
                     // success means they changed exactly `meta.rows`.
                     OpKind::Insert | OpKind::Update | OpKind::Delete => self.rows += meta.rows,
                     OpKind::Commit => self.done.push_back(Done {

@@ -144,7 +144,7 @@ pub const GUARD_PARAMS: usize = 4;
 
 fn guard(first_param: usize) -> String {
     format!(
-        "mm.routine(xmin, ${}::oid, ${}::timestamptz, ${}::oid[], ${}::timestamptz[])",
+        "CASE WHEN mm.routine(xmin, ${}::oid, ${}::timestamptz, ${}::oid[], ${}::timestamptz[]) THEN true ELSE mm.conflict() END",
         first_param,
         first_param + 1,
         first_param + 2,
@@ -170,10 +170,12 @@ pub fn quote_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
-/// Fast-path INSERT of `rows` rows: inserts only rows whose key is neither
-/// taken (any unique index) nor tombstoned, and raises `MM001` unless every
-/// row went in, so a conflicting transaction is redone with the resolver.
-/// `types` are the local column types: VALUES needs them to type its params.
+/// Fast-path INSERT of `rows` rows. A taken key fails it with a unique
+/// violation; a tombstoned key raises `MM001` (`mm.conflict()`); either way
+/// the transaction is redone with the resolver. The tombstone lookup per row
+/// only runs when the table has tombstones at all (an InitPlan, once per
+/// statement). `types` are the local column types: VALUES needs them to type
+/// its params.
 pub fn fast_insert(
     table: &str,
     cols: &[&str],
@@ -182,9 +184,16 @@ pub fn fast_insert(
     relid: u32,
     key_cols: Option<&[&str]>,
 ) -> String {
+    let Some(keys) = key_cols else {
+        return if rows == 1 {
+            insert(table, cols)
+        } else {
+            insert_rows(table, cols, rows)
+        };
+    };
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
-    let mut s = format!("WITH i AS (INSERT INTO {table} ({names}) SELECT v.* FROM (VALUES ");
+    let mut s = format!("INSERT INTO {table} ({names}) SELECT v.* FROM (VALUES ");
     let mut n = 0;
     for r in 0..rows {
         if r > 0 {
@@ -200,17 +209,12 @@ pub fn fast_insert(
         }
         s.push(')');
     }
-    let _ = write!(s, ") v ({names})");
-    if let Some(keys) = key_cols {
-        let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
-        let _ = write!(
-            s,
-            " WHERE NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key})"
-        );
-    }
+    let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
     let _ = write!(
         s,
-        " ON CONFLICT DO NOTHING RETURNING 1) SELECT mm.expect(count(*), {rows}) FROM i"
+        ") v ({names}) WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid}) \
+         OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
+         THEN true ELSE mm.conflict() END"
     );
     s
 }
@@ -221,7 +225,7 @@ pub fn fast_update(table: &str, set_cols: &[&str], loc: &Locator, loc_params: us
     let mut s = update(table, set_cols, loc);
     let first = set_cols.len() + loc_params + 1;
     let _ = write!(s, " AND {} RETURNING 1", guard(first));
-    format!("WITH u AS ({s}) SELECT mm.expect(count(*), 1) FROM u")
+    format!("WITH u AS ({s}) SELECT count(*)::mm.one_row FROM u")
 }
 
 /// Fast-path DELETE: deletes when `mm.routine` allows and leaves a tombstone
@@ -242,11 +246,11 @@ pub fn fast_delete(
             format!(
                 "WITH d AS ({s} RETURNING {}), tb AS (INSERT INTO mm.tombstones (relid, key) \
                  SELECT {relid}, {key} FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
-                 SELECT mm.expect(count(*), 1) FROM d",
+                 SELECT count(*)::mm.one_row FROM d",
                 ret.join(", ")
             )
         }
-        None => format!("WITH d AS ({s} RETURNING 1) SELECT mm.expect(count(*), 1) FROM d"),
+        None => format!("WITH d AS ({s} RETURNING 1) SELECT count(*)::mm.one_row FROM d"),
     }
 }
 
@@ -397,20 +401,26 @@ mod tests {
         let ins = fast_insert(&t, &["id", "v"], &["integer", "text"], 2, 42, Some(&["id"]));
         assert_eq!(
             ins,
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
-             WHERE NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
-             ON CONFLICT DO NOTHING RETURNING 1) SELECT mm.expect(count(*), 2) FROM i"
+            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
+             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
+             OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
+             THEN true ELSE mm.conflict() END"
+        );
+        // Without a key there is nothing to tombstone: the plain statement.
+        assert_eq!(
+            fast_insert(&t, &["a"], &["text"], 1, 42, None),
+            insert(&t, &["a"])
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
             fast_update(&t, &["v"], &key, 1),
-            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) RETURNING 1) SELECT mm.expect(count(*), 1) FROM u"
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) SELECT count(*)::mm.one_row FROM u"
         );
         assert_eq!(
             fast_delete(&t, &key, 1, 42, Some(&["id"])),
-            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) RETURNING \"id\"), \
+            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING \"id\"), \
              tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('id', d.\"id\") FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
-             SELECT mm.expect(count(*), 1) FROM d"
+             SELECT count(*)::mm.one_row FROM d"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
