@@ -365,10 +365,12 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                     Message::Message(m) if current.is_none() && m.prefix == watermark::PREFIX => {
                         match Announcement::decode(&m.content) {
                             Ok(a) if a.node == peer.name => {
+                                // Settles what is queued first: a failure
+                                // there names its transaction.
                                 applier
                                     .set_watermarks(a.applied.clone())
                                     .await
-                                    .map_err(local_err)?;
+                                    .map_err(|f| failure_err(&pname, f))?;
                                 progress.pending_watermark = Some((progress.last_queued, a));
                                 finished(&mut applier, local, &pname, &mut progress);
                             }
@@ -436,6 +438,18 @@ fn apply_err(peer: &str, queued: Option<&TxnMeta>, failure: ApplyFailure) -> Str
         xid: txn.map_or(0, |t| t.xid),
         lsn: txn.map_or(Lsn::INVALID, |t| t.commit_lsn),
         failure: Box::new(failure),
+    }
+}
+
+/// A failure met while waiting for replies: an apply failure when it names
+/// its transaction, a local one otherwise.
+fn failure_err(peer: &str, failure: ApplyFailure) -> StreamError {
+    match failure.txn {
+        Some(_) => apply_err(peer, None, failure),
+        None => StreamError::Local {
+            peer: peer.to_owned(),
+            failure: Box::new(failure),
+        },
     }
 }
 
@@ -528,13 +542,7 @@ async fn send_feedback(
     let durable = applier
         .durable_progress()
         .await
-        .map_err(|failure| match failure.txn {
-            Some(_) => apply_err(&peer, None, failure),
-            None => StreamError::Local {
-                peer: peer.clone(),
-                failure: Box::new(failure),
-            },
-        })?;
+        .map_err(|failure| failure_err(&peer, failure))?;
     let flush = if idle && durable >= p.applied {
         durable.max(p.processed)
     } else {
