@@ -2,6 +2,7 @@
 //! Raft, the HTTP API and the reconciler, in that order — each step refuses to
 //! go on with one clear error rather than run half-configured.
 
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -10,19 +11,55 @@ use tracing::info;
 
 use crate::api::{self, AppState};
 use crate::cluster::Reconciler;
+use crate::conflict::ResolverRegistry;
 use crate::status::StatusRegistry;
 use crate::stream::LocalNode;
 
+/// The whole of an agent binary after argument parsing: logging (`MM_LOG`),
+/// the config, the runtime, and the daemon with `registry`'s resolvers.
+/// Shared by `mm-agent` and binaries that embed it with resolvers of their
+/// own.
+pub fn main(program: &str, config: &std::path::Path, registry: ResolverRegistry) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MM_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = match AgentConfig::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{program}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{program}: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run_with(cfg, registry)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 pub async fn run(cfg: AgentConfig) -> anyhow::Result<()> {
-    run_with(cfg, crate::conflict::ResolverRegistry::builtin()).await
+    run_with(cfg, ResolverRegistry::builtin()).await
 }
 
 /// Runs the agent with extra Rust resolvers (`rust:NAME` in the config)
 /// registered by the binary that embeds it.
-pub async fn run_with(
-    cfg: AgentConfig,
-    registry: crate::conflict::ResolverRegistry,
-) -> anyhow::Result<()> {
+pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::Result<()> {
     let name = cfg.node.name.clone();
     // Refuse rather than silently serve plain HTTP when TLS was asked for.
     if cfg.api.tls_cert.is_some() || cfg.api.tls_ca.is_some() {

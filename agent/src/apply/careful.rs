@@ -296,6 +296,29 @@ impl Applier {
         Ok(v)
     }
 
+    /// An old tuple as jsonb: all of it (REPLICA IDENTITY FULL) or its key
+    /// columns only (the others were not sent).
+    async fn old_json(&self, rel: &LocalRelation, old: &OldTuple) -> Result<Value, ApplyFailure> {
+        match old {
+            OldTuple::Full(t) => self.tuple_json(rel, &t.columns, |_| true).await,
+            OldTuple::Key(k) => {
+                let vals: Vec<ColumnValue> = match k.values(&rel.remote) {
+                    Ok(it) => it
+                        .map(|v| match v {
+                            KeyValue::Key(c) => c.clone(),
+                            KeyValue::NotSent => ColumnValue::Null,
+                        })
+                        .collect(),
+                    Err(e) => return Err(fail(rel, e.to_string())),
+                };
+                let sent: Vec<bool> = (0..vals.len())
+                    .map(|i| rel.key_remote.contains(&i))
+                    .collect();
+                self.tuple_json(rel, &vals, |i| sent[i]).await
+            }
+        }
+    }
+
     fn origin_name(&self, v: &Version) -> Option<String> {
         v.roident
             .map(|id| {
@@ -547,22 +570,7 @@ impl Applier {
         update_params.extend(loc_params.iter().cloned());
         let plain_update = sql::update(&rel.table_sql, &set_cols, &loc);
         let remote_old = match &upd.old {
-            Some(OldTuple::Full(t)) => Some(self.tuple_json(rel, &t.columns, |_| true).await?),
-            Some(OldTuple::Key(k)) => {
-                let vals: Vec<ColumnValue> = match k.values(&rel.remote) {
-                    Ok(it) => it
-                        .map(|v| match v {
-                            KeyValue::Key(c) => c.clone(),
-                            KeyValue::NotSent => ColumnValue::Null,
-                        })
-                        .collect(),
-                    Err(e) => return Err(fail(rel, e.to_string())),
-                };
-                let sent: Vec<bool> = (0..vals.len())
-                    .map(|i| rel.key_remote.contains(&i))
-                    .collect();
-                Some(self.tuple_json(rel, &vals, |i| sent[i]).await?)
-            }
+            Some(old) => Some(self.old_json(rel, old).await?),
             None => None,
         };
         let remote_new = self.tuple_json(rel, &upd.new.columns, |_| true).await?;
@@ -703,24 +711,7 @@ impl Applier {
             return Ok(());
         }
         let rel = self.rel(del.relation_oid)?;
-        let remote_old = match &del.old {
-            OldTuple::Full(t) => self.tuple_json(rel, &t.columns, |_| true).await?,
-            OldTuple::Key(k) => {
-                let vals: Vec<ColumnValue> = match k.values(&rel.remote) {
-                    Ok(it) => it
-                        .map(|v| match v {
-                            KeyValue::Key(c) => c.clone(),
-                            KeyValue::NotSent => ColumnValue::Null,
-                        })
-                        .collect(),
-                    Err(e) => return Err(fail(rel, e.to_string())),
-                };
-                let sent: Vec<bool> = (0..vals.len())
-                    .map(|i| rel.key_remote.contains(&i))
-                    .collect();
-                self.tuple_json(rel, &vals, |i| sent[i]).await?
-            }
-        };
+        let remote_old = self.old_json(rel, &del.old).await?;
         let key = key_of(rel, &remote_old);
         let (kind, local) = match &target {
             Some(t) => (ConflictType::DeleteOriginDiffers, Some(t.clone())),
