@@ -18,6 +18,11 @@
 //!   that announcement), no change that could be older than the delete can
 //!   still arrive from anyone; the tombstone is dropped.
 //!
+//! An announcement is written within ~10 ms of an apply (woken by it), so it
+//! precedes in the WAL any local write made after the applied row became
+//! visible — except one made within those milliseconds, which then counts as
+//! a true conflict (the classification errs that way, never the other).
+//!
 //! Timestamps are compared with a safety margin for the purge (commit
 //! timestamps of concurrent commits on one node may be out of commit order by
 //! microseconds).
@@ -33,7 +38,13 @@ use tracing::{debug, warn};
 use crate::status::StatusRegistry;
 
 pub const PREFIX: &str = "mm.watermark";
-const EMIT_EVERY: Duration = Duration::from_millis(200);
+/// An announcement follows an apply within this (debounce): it must reach
+/// the WAL before the local writes that build on what was applied, or those
+/// look concurrent to the peers.
+const EMIT_AFTER: Duration = Duration::from_millis(10);
+/// ...but not more often than this: every announcement makes each receiver
+/// wait for its pipeline to drain (see `Applier::set_watermarks`).
+const EMIT_MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// Re-announced even when unchanged, so restarted streams learn it.
 const REFRESH_EVERY: Duration = Duration::from_secs(2);
 const PURGE_EVERY: Duration = Duration::from_secs(5);
@@ -60,6 +71,8 @@ pub struct Watermarks {
     /// Per peer, its latest announcement whose preceding transactions are
     /// all committed here.
     effective: Mutex<BTreeMap<String, BTreeMap<String, DateTime<Utc>>>>,
+    /// Wakes the announcer when `applied` moves.
+    moved: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -80,10 +93,15 @@ impl Watermarks {
     /// A transaction from `origin` committed here.
     pub fn applied(&self, origin: &str, ts: DateTime<Utc>) {
         let mut g = lock(&self.applied);
-        let e = g.entry(origin.to_owned()).or_insert(ts);
-        if *e < ts {
-            *e = ts;
+        match g.get_mut(origin) {
+            Some(e) if *e >= ts => return,
+            Some(e) => *e = ts,
+            None => {
+                g.insert(origin.to_owned(), ts);
+            }
         }
+        drop(g);
+        self.moved.notify_one();
     }
 
     pub fn set_effective(&self, peer: &str, a: BTreeMap<String, DateTime<Utc>>) {
@@ -160,9 +178,14 @@ async fn run_once(
     let mut last: Option<Announcement> = None;
     let mut last_emit = tokio::time::Instant::now();
     let mut last_purge = tokio::time::Instant::now();
-    let mut tick = tokio::time::interval(EMIT_EVERY);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = wm.moved.notified() => {
+                let wait = EMIT_MIN_INTERVAL.saturating_sub(last_emit.elapsed()).max(EMIT_AFTER);
+                tokio::time::sleep(wait).await;
+            }
+            _ = tokio::time::sleep(REFRESH_EVERY) => {}
+        }
         let a = wm.announcement();
         let changed = last.as_ref() != Some(&a);
         if !a.applied.is_empty() && (changed || last_emit.elapsed() >= REFRESH_EVERY) {
