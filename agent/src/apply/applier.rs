@@ -586,17 +586,14 @@ impl Applier {
         src: &mut dyn ChangeSource,
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
-        let control = |kind| OpMeta {
-            kind,
-            relation: None,
-            txn,
-            rows: 0,
-        };
+        let control = |kind| control_op(kind, txn);
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
         if self.skips.contains(&meta.commit_lsn) {
             return self.queue_skip(pipe, meta).await;
         }
+        // Formatted once per transaction, not per row.
+        let guard = self.guard_params(&txn);
         let mut next = src.next_message()?;
         while let Some(msg) = next.take() {
             match msg {
@@ -627,8 +624,8 @@ impl Applier {
                     self.insert_batch(pipe, txn, oid, batch).await?;
                     continue;
                 }
-                Message::Update(u) => self.update(pipe, txn, u).await?,
-                Message::Delete(d) => self.delete(pipe, txn, d).await?,
+                Message::Update(u) => self.update(pipe, txn, &guard, u).await?,
+                Message::Delete(d) => self.delete(pipe, txn, &guard, d).await?,
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
                 // Types are described for binary mode; we bind text. Logical
                 // messages and origins carry nothing to apply here.
@@ -652,12 +649,7 @@ impl Applier {
         meta: &TxnMeta,
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
-        let control = |kind| OpMeta {
-            kind,
-            relation: None,
-            txn,
-            rows: 0,
-        };
+        let control = |kind| control_op(kind, txn);
         pipe.push(
             &self.advance.clone(),
             vec![
@@ -682,12 +674,7 @@ impl Applier {
         meta: &TxnMeta,
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
-        let control = |kind| OpMeta {
-            kind,
-            relation: None,
-            txn,
-            rows: 0,
-        };
+        let control = |kind| control_op(kind, txn);
         let audit = Self::prepare_settled(
             pipe,
             &self.client,
@@ -884,16 +871,12 @@ impl Applier {
         &mut self,
         pipe: &mut Pipeline,
         txn: TxnMeta,
+        guard: &[Param; 4],
         upd: Update,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
         let display = Arc::clone(&rel.display);
-        let set_mask: Vec<bool> = upd
-            .new
-            .columns
-            .iter()
-            .map(|c| matches!(c, ColumnValue::UnchangedToast))
-            .collect();
+        let set_mask = unchanged_mask(&upd.new);
         if set_mask.len() != rel.local_names.len() {
             return Err(column_count(rel, set_mask.len()));
         }
@@ -901,7 +884,7 @@ impl Applier {
         let (match_mask, match_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
         let loc_params = match_params.len();
         params.extend(match_params);
-        params.extend(self.guard_params(&txn));
+        params.extend(guard.iter().cloned());
         let key = (set_mask, match_mask);
         let stmt = match rel.update.get(&key) {
             Some(s) => s.clone(),
@@ -933,13 +916,14 @@ impl Applier {
         &mut self,
         pipe: &mut Pipeline,
         txn: TxnMeta,
+        guard: &[Param; 4],
         del: Delete,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
         let display = Arc::clone(&rel.display);
         let (match_mask, mut params) = locate(rel, Some(&del.old), None)?;
         let loc_params = params.len();
-        params.extend(self.guard_params(&txn));
+        params.extend(guard.iter().cloned());
         let stmt = match rel.delete.get(&match_mask) {
             Some(s) => s.clone(),
             None => {
@@ -988,6 +972,25 @@ fn fast_insert_sql(rel: &LocalRelation, rows: usize) -> String {
         rel.relid,
         rel.key_names().as_deref(),
     )
+}
+
+/// A statement of the transaction itself (BEGIN, progress, COMMIT, audit).
+fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
+    OpMeta {
+        kind,
+        relation: None,
+        txn,
+        rows: 0,
+    }
+}
+
+/// Columns an update left untouched (unchanged TOAST): never SET.
+pub(super) fn unchanged_mask(tuple: &TupleData) -> Vec<bool> {
+    tuple
+        .columns
+        .iter()
+        .map(|c| matches!(c, ColumnValue::UnchangedToast))
+        .collect()
 }
 
 pub(super) fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {

@@ -17,7 +17,9 @@ use mm_proto::pgoutput::{ColumnValue, Delete, Insert, KeyValue, Message, OldTupl
 use serde_json::Value;
 use tokio_postgres::types::ToSql;
 
-use super::applier::{TxnBody, TxnMeta, column_count, locate, masked_locator, tuple_params};
+use super::applier::{
+    TxnBody, TxnMeta, column_count, locate, masked_locator, tuple_params, unchanged_mask,
+};
 use super::pipeline::Done;
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
@@ -512,12 +514,7 @@ impl Applier {
             Resolution::KeepLocal => {}
             Resolution::Row(v) => {
                 self.delete_versions(rel, &involved).await?;
-                self.exec(
-                    rel,
-                    &sql::insert_json(&rel.table_sql, &cols),
-                    &[Param::text(v.to_string())],
-                )
-                .await?;
+                self.write_row(rel, v, None).await?;
             }
             Resolution::NoRow => {
                 self.delete_versions(rel, &involved).await?;
@@ -526,6 +523,36 @@ impl Applier {
             Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
         }
         self.log_conflict(rel, meta, &c, key, label, out).await
+    }
+
+    /// Writes a row a resolver chose: over the local row `over`, or as a
+    /// new one.
+    async fn write_row(
+        &self,
+        rel: &LocalRelation,
+        row: &Value,
+        over: Option<&Version>,
+    ) -> Result<(), ApplyFailure> {
+        let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
+        match over.and_then(|v| v.ctid.clone()) {
+            Some(ctid) => {
+                self.exec(
+                    rel,
+                    &sql::update_json(&rel.table_sql, &cols),
+                    &[Param::text(row.to_string()), Param::text(ctid)],
+                )
+                .await?
+            }
+            None => {
+                self.exec(
+                    rel,
+                    &sql::insert_json(&rel.table_sql, &cols),
+                    &[Param::text(row.to_string())],
+                )
+                .await?
+            }
+        };
+        Ok(())
     }
 
     async fn delete_versions(
@@ -549,12 +576,7 @@ impl Applier {
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
-        let set_mask: Vec<bool> = upd
-            .new
-            .columns
-            .iter()
-            .map(|c| matches!(c, ColumnValue::UnchangedToast))
-            .collect();
+        let set_mask = unchanged_mask(&upd.new);
         let set_params = tuple_params(&upd.new, rel, Some(&set_mask))?;
         let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
         let loc = masked_locator(rel, &match_mask);
@@ -620,13 +642,7 @@ impl Applier {
                 }
                 Resolution::KeepLocal | Resolution::NoRow => {}
                 Resolution::Row(v) => {
-                    let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                    self.exec(
-                        rel,
-                        &sql::insert_json(&rel.table_sql, &cols),
-                        &[Param::text(v.to_string())],
-                    )
-                    .await?;
+                    self.write_row(rel, v, None).await?;
                 }
                 Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
             }
@@ -663,16 +679,7 @@ impl Applier {
             Resolution::KeepLocal => {}
             Resolution::Row(v) => {
                 self.delete_versions(rel, &others).await?;
-                let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                self.exec(
-                    rel,
-                    &sql::update_json(&rel.table_sql, &cols),
-                    &[
-                        Param::text(v.to_string()),
-                        Param::text(t.ctid.clone().unwrap_or_default()),
-                    ],
-                )
-                .await?;
+                self.write_row(rel, v, Some(&t)).await?;
             }
             Resolution::NoRow => {
                 self.delete_versions(rel, &[&t]).await?;
@@ -739,28 +746,7 @@ impl Applier {
             }
             Resolution::KeepLocal => {}
             Resolution::Row(v) => {
-                let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                match &target {
-                    Some(t) => {
-                        self.exec(
-                            rel,
-                            &sql::update_json(&rel.table_sql, &cols),
-                            &[
-                                Param::text(v.to_string()),
-                                Param::text(t.ctid.clone().unwrap_or_default()),
-                            ],
-                        )
-                        .await?;
-                    }
-                    None => {
-                        self.exec(
-                            rel,
-                            &sql::insert_json(&rel.table_sql, &cols),
-                            &[Param::text(v.to_string())],
-                        )
-                        .await?;
-                    }
-                }
+                self.write_row(rel, v, target.as_ref()).await?;
             }
             Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
         }
