@@ -15,7 +15,7 @@ use tokio_postgres::{Client, Statement};
 
 use super::pipeline::{Done, OpKind, OpMeta, Pipeline};
 use super::relation::LocalRelation;
-use super::sql::{self, Locator};
+use super::sql::{self, Commit, Locator};
 use super::{ApplyFailure, Param};
 use crate::conflict::TableResolvers;
 
@@ -55,6 +55,13 @@ impl ChangeSource for std::vec::IntoIter<Message> {
 /// resolver, and so are the ones pipelined behind it.
 pub trait Replayable: Send + Sync {
     fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure>;
+
+    /// The transaction's change when it is its only one (a row insert,
+    /// update or delete, with no RELATION message before it): such a
+    /// transaction is applied as one statement (`sql::Commit::Fused`).
+    fn single_change(&self) -> Option<Message> {
+        None
+    }
 }
 
 /// A transaction received whole, kept in memory until it commits here.
@@ -81,6 +88,23 @@ impl Replayable for InMemory {
             msgs: Arc::clone(&self.0),
             next: 0,
         }))
+    }
+
+    fn single_change(&self) -> Option<Message> {
+        let mut change = None;
+        for m in self.0.iter() {
+            match m {
+                Message::Insert(_) | Message::Update(_) | Message::Delete(_)
+                    if change.is_none() =>
+                {
+                    change = Some(m)
+                }
+                // Nothing to apply (see `queue`).
+                Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
+                _ => return None,
+            }
+        }
+        change.cloned()
     }
 }
 
@@ -490,9 +514,18 @@ impl Applier {
     }
 
     async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
-        let mut src = body.open()?;
         let mut pipe = self.take_pipe()?;
-        let r = self.queue(&mut pipe, meta, src.as_mut()).await;
+        let single = match self.skips.contains(&meta.commit_lsn) {
+            true => None,
+            false => body.single_change(),
+        };
+        let r = match single {
+            Some(change) => self.queue_fused(&mut pipe, meta, change).await,
+            None => match body.open() {
+                Ok(mut src) => self.queue(&mut pipe, meta, src.as_mut()).await,
+                Err(e) => Err(e),
+            },
+        };
         self.pipe = Some(pipe);
         r.map_err(|mut f| {
             f.txn.get_or_insert(*meta);
@@ -624,8 +657,8 @@ impl Applier {
                     self.insert_batch(pipe, txn, oid, batch).await?;
                     continue;
                 }
-                Message::Update(u) => self.update(pipe, txn, &guard, u).await?,
-                Message::Delete(d) => self.delete(pipe, txn, &guard, d).await?,
+                Message::Update(u) => self.update(pipe, txn, &guard, u, None).await?,
+                Message::Delete(d) => self.delete(pipe, txn, &guard, d, None).await?,
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
                 // Types are described for binary mode; we bind text. Logical
                 // messages and origins carry nothing to apply here.
@@ -642,6 +675,47 @@ impl Applier {
         self.finish_queue(pipe, meta).await
     }
 
+    /// A transaction whose only change is `change`, as one statement that
+    /// also records progress: no BEGIN, no separate progress call, no
+    /// COMMIT. The invariants hold as for `queue`: the statement fails as a
+    /// whole (row missing, version needing the resolver, progress not where
+    /// this transaction expects it), and then nothing of it commits.
+    async fn queue_fused(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+        change: Message,
+    ) -> Result<(), ApplyFailure> {
+        let txn = *meta;
+        let progress = self.progress_params(meta);
+        match change {
+            Message::Insert(i) => self.insert(pipe, txn, i, Some(progress)).await,
+            Message::Update(u) => {
+                let guard = self.guard_params(&txn);
+                self.update(pipe, txn, &guard, u, Some(progress)).await
+            }
+            Message::Delete(d) => {
+                let guard = self.guard_params(&txn);
+                self.delete(pipe, txn, &guard, d, Some(progress)).await
+            }
+            other => Err(ApplyFailure::new(
+                None,
+                format!("not a row change: {}", other.name()),
+            )),
+        }
+    }
+
+    /// `mm.advance_progress` parameters: this transaction's end on top of
+    /// the previous one's.
+    fn progress_params(&self, meta: &TxnMeta) -> [Param; sql::PROGRESS_PARAMS] {
+        [
+            Param::text(self.origin.clone()),
+            Param::text(self.next_expected.to_string()),
+            Param::text(meta.end_lsn.to_string()),
+            Param::text(meta.commit_ts.to_string()),
+        ]
+    }
+
     /// Records progress (on top of the previous transaction's) and commits.
     async fn finish_queue(
         &mut self,
@@ -652,12 +726,7 @@ impl Applier {
         let control = |kind| control_op(kind, txn);
         pipe.push(
             &self.advance.clone(),
-            vec![
-                Param::text(self.origin.clone()),
-                Param::text(self.next_expected.to_string()),
-                Param::text(meta.end_lsn.to_string()),
-                Param::text(meta.commit_ts.to_string()),
-            ],
+            self.progress_params(meta).to_vec(),
             control(OpKind::Control),
         )
         .await?;
@@ -815,7 +884,7 @@ impl Applier {
         let width = self.rel(oid)?.local_names.len();
         if rows.len() < INSERT_BATCH || width * INSERT_BATCH > MAX_PARAMS {
             for ins in rows {
-                self.insert(pipe, txn, ins).await?;
+                self.insert(pipe, txn, ins, None).await?;
             }
             return Ok(());
         }
@@ -842,29 +911,37 @@ impl Applier {
             OpKind::Insert,
             display,
             txn,
+            Commit::Later,
         )
         .await
     }
 
+    /// One row; `progress` makes it the whole transaction (`Commit::Fused`).
     async fn insert(
         &mut self,
         pipe: &mut Pipeline,
         txn: TxnMeta,
         ins: Insert,
+        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
-        let params = tuple_params(&ins.new, rel, None)?;
+        let mut params = tuple_params(&ins.new, rel, None)?;
         let display = Arc::clone(&rel.display);
-        let stmt = match &rel.insert {
+        let commit = commit_at(&mut params, progress);
+        let slot = usize::from(commit != Commit::Later);
+        let stmt = match &rel.insert[slot] {
             Some(s) => s.clone(),
             None => {
-                let text = fast_insert_sql(rel, 1);
+                let mut text = fast_insert_sql(rel, 1);
+                if let Commit::Fused { first } = commit {
+                    text = sql::fused_insert(&text, first);
+                }
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
-                self.rel_mut(ins.relation_oid)?.insert = Some(s.clone());
+                self.rel_mut(ins.relation_oid)?.insert[slot] = Some(s.clone());
                 s
             }
         };
-        push_row(1, pipe, &stmt, params, OpKind::Insert, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Insert, display, txn, commit).await
     }
 
     async fn update(
@@ -873,6 +950,7 @@ impl Applier {
         txn: TxnMeta,
         guard: &[Param; 4],
         upd: Update,
+        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
         let display = Arc::clone(&rel.display);
@@ -885,7 +963,8 @@ impl Applier {
         let loc_params = match_params.len();
         params.extend(match_params);
         params.extend(guard.iter().cloned());
-        let key = (set_mask, match_mask);
+        let commit = commit_at(&mut params, progress);
+        let key = (set_mask, match_mask, commit);
         let stmt = match rel.update.get(&key) {
             Some(s) => s.clone(),
             None => {
@@ -901,6 +980,7 @@ impl Applier {
                     &set_cols,
                     &masked_locator(rel, &key.1),
                     loc_params,
+                    commit,
                 );
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
@@ -909,7 +989,7 @@ impl Applier {
                 s
             }
         };
-        push_row(1, pipe, &stmt, params, OpKind::Update, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Update, display, txn, commit).await
     }
 
     async fn delete(
@@ -918,30 +998,34 @@ impl Applier {
         txn: TxnMeta,
         guard: &[Param; 4],
         del: Delete,
+        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
         let display = Arc::clone(&rel.display);
         let (match_mask, mut params) = locate(rel, Some(&del.old), None)?;
         let loc_params = params.len();
         params.extend(guard.iter().cloned());
-        let stmt = match rel.delete.get(&match_mask) {
+        let commit = commit_at(&mut params, progress);
+        let key = (match_mask, commit);
+        let stmt = match rel.delete.get(&key) {
             Some(s) => s.clone(),
             None => {
                 let text = sql::fast_delete(
                     &rel.table_sql,
-                    &masked_locator(rel, &match_mask),
+                    &masked_locator(rel, &key.0),
                     loc_params,
                     rel.relid,
                     rel.key_names().as_deref(),
+                    commit,
                 );
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?
                     .delete
-                    .insert(match_mask, s.clone());
+                    .insert(key, s.clone());
                 s
             }
         };
-        push_row(1, pipe, &stmt, params, OpKind::Delete, display, txn).await
+        push_row(1, pipe, &stmt, params, OpKind::Delete, display, txn, commit).await
     }
 
     async fn truncate(
@@ -957,7 +1041,17 @@ impl Applier {
         let display: Arc<str> = Arc::from(tables.join(", ").as_str());
         let text = sql::truncate(&tables, t.cascade, t.restart_identity);
         let stmt = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
-        push_row(0, pipe, &stmt, Vec::new(), OpKind::Truncate, display, txn).await
+        push_row(
+            0,
+            pipe,
+            &stmt,
+            Vec::new(),
+            OpKind::Truncate,
+            display,
+            txn,
+            Commit::Later,
+        )
+        .await
     }
 }
 
@@ -981,6 +1075,20 @@ fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
         relation: None,
         txn,
         rows: 0,
+        commits: kind == OpKind::Commit,
+    }
+}
+
+/// Appends the progress parameters of a one-statement transaction after a
+/// row statement's own, and says where they start.
+fn commit_at(params: &mut Vec<Param>, progress: Option<[Param; sql::PROGRESS_PARAMS]>) -> Commit {
+    match progress {
+        None => Commit::Later,
+        Some(p) => {
+            let first = params.len() + 1;
+            params.extend(p);
+            Commit::Fused { first }
+        }
     }
 }
 
@@ -1012,12 +1120,14 @@ async fn push_row(
     kind: OpKind,
     relation: Arc<str>,
     txn: TxnMeta,
+    commit: Commit,
 ) -> Result<(), ApplyFailure> {
     let meta = OpMeta {
         kind,
         relation: Some(relation),
         txn,
         rows,
+        commits: commit != Commit::Later,
     };
     pipe.push(stmt, params, meta).await
 }

@@ -45,6 +45,9 @@ pub struct OpMeta {
     /// Rows a row statement changes when it succeeds (fast-path statements
     /// fail unless they change exactly these).
     pub rows: u64,
+    /// Its success commits the transaction: COMMIT, or a row statement that
+    /// is a whole transaction by itself (`sql::Commit::Fused`).
+    pub commits: bool,
 }
 
 type OpFuture = Pin<Box<dyn Future<Output = (OpMeta, Result<u64, tokio_postgres::Error>)> + Send>>;
@@ -131,18 +134,21 @@ impl Pipeline {
                 break;
             };
             match res {
-                Ok(_) => match meta.kind {
-                    // Fast-path row statements fail unless they change every row;
-                    // success means they changed exactly `meta.rows`.
-                    OpKind::Insert | OpKind::Update | OpKind::Delete => self.rows += meta.rows,
-                    OpKind::Commit => self.done.push_back(Done {
-                        meta: meta.txn,
-                        rows: std::mem::take(&mut self.rows),
-                        conflicts: Vec::new(),
-                        routine: 0,
-                    }),
-                    OpKind::Control | OpKind::Truncate => {}
-                },
+                Ok(_) => {
+                    // Fast-path row statements fail unless they change every
+                    // row; success means they changed exactly `meta.rows`.
+                    if matches!(meta.kind, OpKind::Insert | OpKind::Update | OpKind::Delete) {
+                        self.rows += meta.rows;
+                    }
+                    if meta.commits {
+                        self.done.push_back(Done {
+                            meta: meta.txn,
+                            rows: std::mem::take(&mut self.rows),
+                            conflicts: Vec::new(),
+                            routine: 0,
+                        });
+                    }
+                }
                 Err(e) => {
                     let mut f = ApplyFailure::from_pg(meta.relation.as_deref(), &e);
                     f.txn = Some(meta.txn);

@@ -12,7 +12,7 @@ use mm_proto::pgoutput::Relation;
 use tokio_postgres::{Client, Statement};
 
 use super::ApplyFailure;
-use super::sql::{self, Locator};
+use super::sql::{self, Commit, Locator};
 
 /// Everything needed to apply changes to one relation, plus its prepared statements.
 pub struct LocalRelation {
@@ -36,16 +36,19 @@ pub struct LocalRelation {
     /// Unique indexes usable for collision checks (plain columns, not
     /// partial), as remote column indexes; includes the key index.
     pub unique_indexes: Vec<Vec<usize>>,
-    pub insert: Option<Statement>,
+    /// Single-row INSERT: [inside a transaction, a whole transaction]
+    /// (`sql::Commit`).
+    pub insert: [Option<Statement>; 2],
     /// Multi-row INSERT of `INSERT_BATCH` rows.
     pub insert_batch: Option<Statement>,
     /// Keyed by (columns left out of SET, columns left out of the row match).
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
     /// pattern has its own statement.
-    pub update: HashMap<(Vec<bool>, Vec<bool>), Statement>,
+    /// Also keyed by how the statement commits.
+    pub update: HashMap<(Vec<bool>, Vec<bool>, Commit), Statement>,
     /// Keyed by the columns left out of the row match (FULL identity only).
-    pub delete: HashMap<Vec<bool>, Statement>,
+    pub delete: HashMap<(Vec<bool>, Commit), Statement>,
 }
 
 impl LocalRelation {
@@ -178,7 +181,7 @@ impl LocalRelation {
             local_types,
             unique_indexes,
             remote,
-            insert: None,
+            insert: [None, None],
             insert_batch: None,
             update: HashMap::new(),
             delete: HashMap::new(),

@@ -219,13 +219,58 @@ pub fn fast_insert(
     s
 }
 
+/// Parameters the progress call of a one-statement transaction takes
+/// (see `Commit::Fused`).
+pub const PROGRESS_PARAMS: usize = 4;
+
+/// How a fast-path row statement ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Commit {
+    /// Inside an explicit transaction; COMMIT is a separate statement.
+    Later,
+    /// The transaction's only change: the statement also records progress
+    /// (`mm.advance_progress`, params from `first`) and runs as its own
+    /// implicit transaction: one statement and one protocol round instead of
+    /// BEGIN, change, progress, COMMIT. Single-row transactions are the
+    /// common OLTP case and the apply backend is the bottleneck there.
+    Fused { first: usize },
+}
+
+fn progress_call(first: usize) -> String {
+    format!(
+        "mm.advance_progress(${}, ${}, ${}, ${})",
+        first,
+        first + 1,
+        first + 2,
+        first + 3
+    )
+}
+
+/// The final SELECT of a CTE-wrapped row statement: fails (`mm.one_row`)
+/// unless `cte` returned exactly one row, and records progress when fused.
+fn checked_select(cte: &str, commit: Commit) -> String {
+    match commit {
+        Commit::Later => format!(" SELECT count(*)::mm.one_row FROM {cte}"),
+        Commit::Fused { first } => format!(
+            " SELECT (SELECT count(*) FROM {cte})::mm.one_row, {}",
+            progress_call(first)
+        ),
+    }
+}
+
 /// Fast-path UPDATE: changes the row only when `mm.routine` says no resolver
 /// is needed; raises `MM001` otherwise (or when the row is missing).
-pub fn fast_update(table: &str, set_cols: &[&str], loc: &Locator, loc_params: usize) -> String {
+pub fn fast_update(
+    table: &str,
+    set_cols: &[&str],
+    loc: &Locator,
+    loc_params: usize,
+    commit: Commit,
+) -> String {
     let mut s = update(table, set_cols, loc);
     let first = set_cols.len() + loc_params + 1;
     let _ = write!(s, " AND {} RETURNING 1", guard(first));
-    format!("WITH u AS ({s}) SELECT count(*)::mm.one_row FROM u")
+    format!("WITH u AS ({s}){}", checked_select("u", commit))
 }
 
 /// Fast-path DELETE: deletes when `mm.routine` allows and leaves a tombstone
@@ -236,6 +281,7 @@ pub fn fast_delete(
     loc_params: usize,
     relid: u32,
     key_cols: Option<&[&str]>,
+    commit: Commit,
 ) -> String {
     let mut s = delete(table, loc);
     let _ = write!(s, " AND {}", guard(loc_params + 1));
@@ -245,13 +291,19 @@ pub fn fast_delete(
             let key = key_json(keys, |_, c| format!("d.{}", quote_ident(c)));
             format!(
                 "WITH d AS ({s} RETURNING {}), tb AS (INSERT INTO mm.tombstones (relid, key) \
-                 SELECT {relid}, {key} FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
-                 SELECT count(*)::mm.one_row FROM d",
-                ret.join(", ")
+                 SELECT {relid}, {key} FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid){}",
+                ret.join(", "),
+                checked_select("d", commit)
             )
         }
-        None => format!("WITH d AS ({s} RETURNING 1) SELECT count(*)::mm.one_row FROM d"),
+        None => format!("WITH d AS ({s} RETURNING 1){}", checked_select("d", commit)),
     }
+}
+
+/// A fast-path INSERT (`fast_insert`) that is its transaction's only change,
+/// fused with the progress call (see `Commit::Fused`).
+pub fn fused_insert(insert: &str, first: usize) -> String {
+    format!("WITH i AS ({insert}) SELECT {}", progress_call(first))
 }
 
 /// Upserts the tombstone of one key (params `$1..` typed by `types`).
@@ -413,14 +465,38 @@ mod tests {
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
-            fast_update(&t, &["v"], &key, 1),
+            fast_update(&t, &["v"], &key, 1, Commit::Later),
             "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) SELECT count(*)::mm.one_row FROM u"
         );
         assert_eq!(
-            fast_delete(&t, &key, 1, 42, Some(&["id"])),
+            fast_delete(&t, &key, 1, 42, Some(&["id"]), Commit::Later),
             "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING \"id\"), \
              tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('id', d.\"id\") FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
              SELECT count(*)::mm.one_row FROM d"
+        );
+        // A transaction's only change also records its progress, and still
+        // fails unless it changed exactly one row.
+        assert_eq!(
+            fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7 }),
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) \
+             SELECT (SELECT count(*) FROM u)::mm.one_row, mm.advance_progress($7, $8, $9, $10)"
+        );
+        assert_eq!(
+            fast_delete(
+                &t,
+                &Locator::AllColumns(vec!["a".into()]),
+                1,
+                42,
+                None,
+                Commit::Fused { first: 6 }
+            ),
+            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 LIMIT 1 FOR UPDATE) \
+             AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) \
+             SELECT (SELECT count(*) FROM d)::mm.one_row, mm.advance_progress($6, $7, $8, $9)"
+        );
+        assert_eq!(
+            fused_insert(&insert(&t, &["a"]), 2),
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") VALUES ($1)) SELECT mm.advance_progress($2, $3, $4, $5)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
