@@ -308,7 +308,7 @@ impl Applier {
             origins: HashMap::new(),
             wm: Arc::new(Watermark {
                 map: BTreeMap::new(),
-                params: (Param::text("{}".to_owned()), Param::text("{}".to_owned())),
+                params: (Param::oid_array(&[]), Param::timestamptz_array(&[])),
             }),
             store_watermark,
             queued: VecDeque::new(),
@@ -401,16 +401,13 @@ impl Applier {
         let mut ts = Vec::new();
         for (node, t) in &wm {
             if let Some((id, _)) = self.origins.iter().find(|(_, n)| *n == node) {
-                ids.push(id.to_string());
-                ts.push(format!("\"{}\"", t.format("%Y-%m-%d %H:%M:%S%.6f+00")));
+                ids.push(*id);
+                ts.push(PgTimestamp::from_datetime(*t).0);
             }
         }
         self.wm = Arc::new(Watermark {
             map: wm,
-            params: (
-                Param::text(format!("{{{}}}", ids.join(","))),
-                Param::text(format!("{{{}}}", ts.join(","))),
-            ),
+            params: (Param::oid_array(&ids), Param::timestamptz_array(&ts)),
         });
         Ok(())
     }
@@ -429,8 +426,8 @@ impl Applier {
 
     fn guard_params(&self, txn: &TxnMeta) -> [Param; 4] {
         [
-            Param::text(self.peer_roident.to_string()),
-            Param::text(txn.commit_ts.to_string()),
+            Param::oid(self.peer_roident),
+            Param::timestamptz(txn.commit_ts.0),
             self.wm.params.0.clone(),
             self.wm.params.1.clone(),
         ]
@@ -707,12 +704,12 @@ impl Applier {
 
     /// `mm.advance_progress` parameters: this transaction's end on top of
     /// the previous one's.
-    fn progress_params(&self, meta: &TxnMeta) -> [Param; sql::PROGRESS_PARAMS] {
+    pub(super) fn progress_params(&self, meta: &TxnMeta) -> [Param; sql::PROGRESS_PARAMS] {
         [
             Param::text(self.origin.clone()),
             Param::text(self.next_expected.to_string()),
             Param::text(meta.end_lsn.to_string()),
-            Param::text(meta.commit_ts.to_string()),
+            Param::timestamptz(meta.commit_ts.0),
         ]
     }
 

@@ -91,12 +91,7 @@ impl Applier {
             self.client
                 .execute(
                     "SELECT mm.advance_progress($1, $2::pg_lsn, $3::pg_lsn, $4::timestamptz)",
-                    &params_ref(&[
-                        Param::text(self.origin.clone()),
-                        Param::text(self.next_expected.to_string()),
-                        Param::text(meta.end_lsn.to_string()),
-                        Param::text(meta.commit_ts.to_string()),
-                    ]),
+                    &params_ref(&self.progress_params(meta)),
                 )
                 .await
                 .map_err(pg)?;
