@@ -15,11 +15,27 @@ use crate::conflict::ResolverRegistry;
 use crate::status::StatusRegistry;
 use crate::stream::LocalNode;
 
-/// The whole of an agent binary after argument parsing: logging (`MM_LOG`),
-/// the config, the runtime, and the daemon with `registry`'s resolvers.
-/// Shared by `mm-agent` and binaries that embed it with resolvers of their
-/// own.
-pub fn main(program: &str, config: &std::path::Path, registry: ResolverRegistry) -> ExitCode {
+#[derive(clap::Parser)]
+#[command(version)]
+struct Args {
+    /// The agent's TOML configuration file (keys may be overridden by MM_<SECTION>__<KEY>).
+    #[arg(long, short = 'c', env = "MM_CONFIG")]
+    config: std::path::PathBuf,
+}
+
+/// The whole of an agent binary: its arguments, logging (`MM_LOG`), the
+/// config, the runtime, and the daemon with `registry`'s resolvers. Shared by
+/// `mm-agent` and binaries that embed it with resolvers of their own, so
+/// they take the same arguments.
+pub fn main(program: &'static str, about: &'static str, registry: ResolverRegistry) -> ExitCode {
+    use clap::{CommandFactory, FromArgMatches};
+    let args = Args::command()
+        .name(program)
+        .about(about)
+        .try_get_matches()
+        .and_then(|m| Args::from_arg_matches(&m))
+        .unwrap_or_else(|e| e.exit());
+    let config = args.config.as_path();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("MM_LOG")

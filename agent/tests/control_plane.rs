@@ -748,6 +748,19 @@ impl Drop for Pg {
     }
 }
 
+/// A real PostgreSQL server under `root` and the cluster token file beside it.
+async fn pg_and_token(root: &Path) -> (Pg, PathBuf) {
+    let pg = tokio::task::spawn_blocking({
+        let root = root.to_owned();
+        move || Pg::start(&root)
+    })
+    .await
+    .unwrap();
+    let token_file = root.join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    (pg, token_file)
+}
+
 async fn lsn_direct(db: &tokio_postgres::Client) -> mm_proto::Lsn {
     let row = db
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -762,14 +775,7 @@ async fn wal_lsn_and_wait_sync_against_real_postgres() {
     use mm_proto::api::{StreamState, WalLsnResponse};
 
     let tmp = tempfile::tempdir().unwrap();
-    let pg = tokio::task::spawn_blocking({
-        let root = tmp.path().to_owned();
-        move || Pg::start(&root)
-    })
-    .await
-    .unwrap();
-    let token_file = tmp.path().join("token");
-    std::fs::write(&token_file, TOKEN).unwrap();
+    let (pg, token_file) = pg_and_token(tmp.path()).await;
     let mut a = start_node("a1", &tmp.path().join("a1"), 0, &pg.dsn()).await;
     let mut b = start_node("b2", &tmp.path().join("b2"), 0, &pg.dsn()).await;
     let c = client();
@@ -945,14 +951,7 @@ async fn skip_conflicts_and_counters_against_real_postgres() {
     use mm_proto::api::{ClusterConflictsResponse, ConflictsResponse, SkipResponse, StreamState};
 
     let tmp = tempfile::tempdir().unwrap();
-    let pg = tokio::task::spawn_blocking({
-        let root = tmp.path().to_owned();
-        move || Pg::start(&root)
-    })
-    .await
-    .unwrap();
-    let token_file = tmp.path().join("token");
-    std::fs::write(&token_file, TOKEN).unwrap();
+    let (pg, token_file) = pg_and_token(tmp.path()).await;
     let (db_a, dsn_a) = node_db(&pg, "a1").await;
     let (db_b, dsn_b) = node_db(&pg, "b2").await;
     let mut a = start_node("a1", &tmp.path().join("a1"), 0, &dsn_a).await;

@@ -512,10 +512,10 @@ impl Applier {
 
     async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
         let mut pipe = self.take_pipe()?;
-        let single = match self.skips.contains(&meta.commit_lsn) {
-            true => None,
-            false => body.single_change(),
-        };
+        // A skipped transaction needs its audit row: never one statement.
+        let single = (!self.skips.contains(&meta.commit_lsn))
+            .then(|| body.single_change())
+            .flatten();
         let r = match single {
             Some(change) => self.queue_fused(&mut pipe, meta, change).await,
             None => match body.open() {

@@ -6,25 +6,11 @@
 //! numeric text); ties, and anything it cannot compare, go to the incoming
 //! change. A pure function of the conflict's facts, so every node agrees.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
 use mm_agent::conflict::{Conflict, Resolution, Resolver, ResolverRegistry};
 use serde_json::Value;
-
-#[derive(Parser)]
-#[command(
-    name = "mm-agent-custom",
-    version,
-    about = "mm-agent with the custom resolver rust:max_value"
-)]
-struct Args {
-    /// The agent's TOML configuration file (keys may be overridden by MM_<SECTION>__<KEY>).
-    #[arg(long, short = 'c', env = "MM_CONFIG")]
-    config: PathBuf,
-}
 
 /// Keeps the row with the larger `v`.
 struct MaxValue;
@@ -47,8 +33,11 @@ impl Resolver for MaxValue {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
     let mut registry = ResolverRegistry::builtin();
     registry.register("max_value", Arc::new(MaxValue));
-    mm_agent::daemon::main("mm-agent-custom", &args.config, registry)
+    mm_agent::daemon::main(
+        "mm-agent-custom",
+        "mm-agent with the custom resolver rust:max_value",
+        registry,
+    )
 }
