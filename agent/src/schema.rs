@@ -5,72 +5,58 @@ use tokio_postgres::Client;
 
 use crate::apply::sql::quote_ident;
 
+/// Numbered migrations, each applied once, in order, in its own transaction,
+/// and recorded in `mm.schema_migrations`. Append only: a released file is
+/// never edited.
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("sql/0001_base.sql")),
+    (2, include_str!("sql/0002_counters.sql")),
+];
+
+/// Functions and triggers: replaced at every start (not versioned data).
+const FUNCTIONS: &str = include_str!("sql/functions.sql");
+
+/// The schema version this agent needs (the newest migration).
+pub const SCHEMA_VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+
+/// Why the schema could not be brought up to date.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    #[error(
+        "schema mm is at version {found}, newer than this agent's {SCHEMA_VERSION}: run the newer agent (downgrades are not supported)"
+    )]
+    Newer { found: i32 },
+    #[error("schema mm migration {version}: {source}")]
+    Migration {
+        version: i32,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("schema mm: {0}")]
+    Pg(#[from] tokio_postgres::Error),
+}
+
 /// Creates or updates the schema, its tables and the publication. Idempotent:
-/// runs at every start.
-pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_postgres::Error> {
+/// runs at every start. Two agents starting at once on one database are
+/// serialized by an advisory lock.
+pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaError> {
     client
         .batch_execute(
             "CREATE SCHEMA IF NOT EXISTS mm;
-             CREATE TABLE IF NOT EXISTS mm.nodes (
-               id numeric(20) PRIMARY KEY,
-               name text NOT NULL UNIQUE,
-               api_url text NOT NULL,
-               peer_dsn text NOT NULL,
-               state text NOT NULL);
-             CREATE TABLE IF NOT EXISTS mm.raft_applied (
-               singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-               applied_index bigint NOT NULL);
-             CREATE TABLE IF NOT EXISTS mm.apply_progress (
-               origin text PRIMARY KEY,
-               remote_lsn pg_lsn NOT NULL,
-               remote_commit_ts timestamptz);
-             -- The publisher's last watermark (see watermark.rs), stored with
-             -- the progress it is valid for.
-             ALTER TABLE mm.apply_progress ADD COLUMN IF NOT EXISTS watermark jsonb;
-             -- Records an applied transaction's progress, only on top of the
-             -- previous one's (so a transaction pipelined behind a failed one
-             -- fails too), and gives the commit the remote commit timestamp
-             -- through the session's replication origin. The origin's own LSN
-             -- stays invalid: PostgreSQL would advance it even on abort.
-             CREATE OR REPLACE FUNCTION mm.advance_progress(
-                 p_origin text, p_prev pg_lsn, p_new pg_lsn, p_ts timestamptz)
-             RETURNS void LANGUAGE plpgsql AS $fn$
-             BEGIN
-               PERFORM pg_catalog.pg_replication_origin_xact_setup('0/0', p_ts);
-               UPDATE mm.apply_progress SET remote_lsn = p_new, remote_commit_ts = p_ts
-                WHERE origin = p_origin AND remote_lsn = p_prev;
-               IF NOT FOUND THEN
-                 RAISE EXCEPTION 'mm: apply progress of % is not at % (the transaction before this one did not commit)', p_origin, p_prev;
-               END IF;
-             END
-             $fn$;
-             CREATE TABLE IF NOT EXISTS mm.paused_streams (
-               from_node text NOT NULL,
-               to_node text NOT NULL,
-               PRIMARY KEY (from_node, to_node));
-             CREATE TABLE IF NOT EXISTS mm.conflict_log (
-               id bigserial PRIMARY KEY,
-               at timestamptz NOT NULL DEFAULT now(),
-               relation text NOT NULL,
-               conflict_type text NOT NULL,
-               key jsonb,
-               local_origin text,
-               local_commit_ts timestamptz,
-               remote_origin text,
-               remote_commit_ts timestamptz,
-               remote_lsn pg_lsn,
-               resolution text NOT NULL,
-               local_tuple jsonb,
-               remote_tuple jsonb);
-             CREATE INDEX IF NOT EXISTS conflict_log_at ON mm.conflict_log (at);
-             CREATE TABLE IF NOT EXISTS mm.skip_requests (
-               from_node text NOT NULL,
-               commit_lsn pg_lsn NOT NULL,
-               requested_at timestamptz NOT NULL DEFAULT now(),
-               PRIMARY KEY (from_node, commit_lsn));",
+             CREATE TABLE IF NOT EXISTS mm.schema_migrations (
+               version int PRIMARY KEY,
+               applied_at timestamptz NOT NULL DEFAULT now());
+             SELECT pg_catalog.pg_advisory_lock(pg_catalog.hashtext('mm.schema_migrations'));",
         )
         .await?;
-    client.batch_execute(CONFLICT_OBJECTS).await?;
+    let r = migrate(client).await;
+    client
+        .batch_execute(
+            "SELECT pg_catalog.pg_advisory_unlock(pg_catalog.hashtext('mm.schema_migrations'))",
+        )
+        .await?;
+    r?;
+    client.batch_execute(FUNCTIONS).await?;
     let list = schemas
         .iter()
         .map(|s| quote_ident(s))
@@ -102,146 +88,39 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), tokio_pos
     Ok(())
 }
 
-/// Objects of conflict handling (see `conflict` for the rules they serve).
-///
-/// Tombstones: one row per deleted key, `(relid, key)`; the row's own xmin
-/// carries the delete's origin and commit timestamp through
-/// `pg_xact_commit_timestamp_origin`, exactly like a live row's does, so
-/// remote deletes (written by the applying transaction, origin `mm_<peer>`,
-/// remote commit timestamp) and local deletes (written by the statement
-/// trigger below, origin 0, local commit timestamp) need no timestamp column.
-/// Keys are jsonb built from typed values (`jsonb_build_object` /
-/// `to_jsonb`) with the portable session settings pinned, so the trigger and
-/// the applier produce identical keys.
-const CONFLICT_OBJECTS: &str = "
-CREATE TABLE IF NOT EXISTS mm.tombstones (
-  relid oid NOT NULL,
-  key jsonb NOT NULL,
-  PRIMARY KEY (relid, key));
-
--- The columns the applier locates rows by: replica identity index, else primary key.
-CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
-LANGUAGE sql STABLE SET search_path = pg_catalog AS $fn$
-  SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[], a.attnum))
-    FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-   WHERE i.indexrelid = (SELECT i2.indexrelid FROM pg_index i2
-                          WHERE i2.indrelid = p_rel AND (i2.indisreplident OR i2.indisprimary)
-                            AND i2.indisvalid ORDER BY i2.indisreplident DESC LIMIT 1)
-$fn$;
-
--- Local deletes leave tombstones: a statement trigger (one run per DELETE
--- statement, not per row) over the transition table. It does not fire in the
--- agent's apply sessions (session_replication_role = replica): remote deletes
--- write their tombstones themselves.
-CREATE OR REPLACE FUNCTION mm.record_local_deletes() RETURNS trigger
-LANGUAGE plpgsql
-SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
-SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
-DECLARE
-  cols text[] := mm.key_columns(TG_RELID);
-BEGIN
-  IF cols IS NULL THEN
-    RETURN NULL;
-  END IF;
-  INSERT INTO mm.tombstones (relid, key)
-  SELECT DISTINCT TG_RELID,
-         (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(o)) e WHERE e.key = ANY (cols))
-    FROM mm_old o
-  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
-  RETURN NULL;
-END
-$fn$;
-
-CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
-LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
-BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones') THEN
-    EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
-  END IF;
-END
-$fn$;
-
-CREATE OR REPLACE FUNCTION mm.on_create_table() RETURNS event_trigger
-LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
-DECLARE
-  r record;
-BEGIN
-  FOR r IN SELECT c.oid FROM pg_event_trigger_ddl_commands() d
-             JOIN pg_class c ON c.oid = d.objid
-             JOIN pg_publication_namespace pn ON pn.pnnspid = c.relnamespace
-             JOIN pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm'
-            WHERE d.object_type = 'table' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
-  LOOP
-    PERFORM mm.install_tombstone_trigger(r.oid);
-  END LOOP;
-END
-$fn$;
-
-DROP EVENT TRIGGER IF EXISTS mm_tombstones;
-CREATE EVENT TRIGGER mm_tombstones ON ddl_command_end
-  WHEN TAG IN ('CREATE TABLE', 'CREATE TABLE AS', 'SELECT INTO')
-  EXECUTE FUNCTION mm.on_create_table();
-
--- Counts a routine cross-origin change for status, in a session setting:
--- a rolled-back transaction's changes are not counted.
-CREATE OR REPLACE FUNCTION mm.count_routine() RETURNS boolean
-LANGUAGE sql VOLATILE AS $fn$
-  SELECT pg_catalog.set_config('mm.routine_changes',
-    (coalesce(nullif(pg_catalog.current_setting('mm.routine_changes', true), ''), '0')::bigint + 1)::text,
-    false) IS NOT NULL
-$fn$;
-
--- The fast path's test, per row version it is about to change: applying
--- without the resolver is safe when the version has no known commit (written
--- by this same remote transaction, or with no history), was written by the same
--- origin (its stream is ordered), or is ROUTINE: the publisher had already
--- applied it (its watermark for that origin has reached the version's commit
--- timestamp) and the incoming change is later. Anything else goes to the
--- resolver. Plain SQL without SET clauses: this runs for every replicated
--- UPDATE and DELETE (a plpgsql version with a search_path clause cost a third
--- of the apply rate).
-CREATE OR REPLACE FUNCTION mm.routine_full(
-    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
-RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
-  SELECT CASE
-    WHEN c.timestamp IS NULL OR c.roident = p_origin THEN true
-    WHEN c.timestamp <= p_wm_ts[pg_catalog.array_position(p_wm_ids, c.roident)]
-         AND c.timestamp < p_ts THEN mm.count_routine()
-    ELSE false END
-  FROM pg_catalog.pg_xact_commit_timestamp_origin(p_xmin) c
-$fn$;
-
--- The common case first, in a form the planner inlines into the statement
--- (one expression, no FROM): a version from the publisher itself. Measured
--- with pgbench: the full check costs ~20% of a single-row UPDATE, this ~9%.
-CREATE OR REPLACE FUNCTION mm.routine(
-    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
-RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
-  SELECT CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin(p_xmin)).roident = p_origin THEN true
-              ELSE mm.routine_full(p_xmin, p_origin, p_ts, p_wm_ids, p_wm_ts) END
-$fn$;
-
--- Raised by a fast-path statement that needs the resolver: the applier
--- rolls the transaction back and applies it again with conflict detection
--- and resolution (apply/careful.rs). Only ever called on that path.
-CREATE OR REPLACE FUNCTION mm.conflict() RETURNS boolean
-LANGUAGE plpgsql AS $fn$
-BEGIN
-  RAISE EXCEPTION USING ERRCODE = 'MM001', MESSAGE = 'mm: conflict, resolving';
-END
-$fn$;
-
--- The same signal for a statement that changed no row (the row is missing):
--- casting its row count to this domain fails unless it is 1, without a
--- function call on the path that succeeds.
-DO $do$
-BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_type t JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace
-                  WHERE n.nspname = 'mm' AND t.typname = 'one_row') THEN
-    CREATE DOMAIN mm.one_row AS bigint CONSTRAINT mm_conflict CHECK (VALUE = 1);
-  END IF;
-END
-$do$;
-DROP FUNCTION IF EXISTS mm.expect(bigint, bigint);
-";
+async fn migrate(client: &Client) -> Result<(), SchemaError> {
+    let found: i32 = client
+        .query_one(
+            "SELECT coalesce(max(version), 0) FROM mm.schema_migrations",
+            &[],
+        )
+        .await?
+        .try_get(0)?;
+    if found > SCHEMA_VERSION {
+        return Err(SchemaError::Newer { found });
+    }
+    for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+        let m = |source| SchemaError::Migration {
+            version: *version,
+            source,
+        };
+        client.batch_execute("BEGIN").await.map_err(m)?;
+        let r = async {
+            client.batch_execute(sql).await?;
+            client
+                .execute(
+                    "INSERT INTO mm.schema_migrations (version) VALUES ($1)",
+                    &[version],
+                )
+                .await?;
+            client.batch_execute("COMMIT").await
+        }
+        .await;
+        if let Err(e) = r {
+            let _ = client.batch_execute("ROLLBACK").await;
+            return Err(m(e));
+        }
+        tracing::info!(version, "schema mm: migration applied");
+    }
+    Ok(())
+}
