@@ -13,6 +13,7 @@ mod install;
 mod pg;
 mod ports;
 mod procs;
+pub mod rng;
 mod sweep;
 mod user;
 pub mod wal;

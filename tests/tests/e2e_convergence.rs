@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use mm_tests::TestCluster;
+use mm_tests::rng::{Rng, seed};
 
 const SCHEMA: &str = "CREATE TABLE r (id int PRIMARY KEY, val text NOT NULL, node text NOT NULL);";
 const NAMES: [&str; 3] = ["cv1", "cv2", "cv3"];
@@ -24,37 +25,6 @@ const OPS_PER_CLIENT: usize = 120;
 /// Mean pause between one client's transactions: spreads the run over
 /// ~12 s so pauses and the agent kill happen in the middle of it.
 const THINK_MS: u64 = 100;
-
-/// splitmix64: small, seedable, good enough to pick keys.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn seed() -> Result<u64> {
-    if let Ok(s) = std::env::var("MM_SEED") {
-        return s.trim().parse().with_context(|| format!("MM_SEED={s}"));
-    }
-    let mut buf = [0u8; 8];
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
-    Ok(u64::from_le_bytes(buf) % 1_000_000_000)
-}
 
 /// One committed client transaction that changed a row.
 #[derive(Debug, Clone)]

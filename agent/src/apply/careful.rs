@@ -533,7 +533,7 @@ impl Applier {
             Some(ctid) => {
                 self.exec(
                     rel,
-                    &sql::update_json(&rel.table_sql, &cols),
+                    &sql::update_json(&rel.table_sql, &rel.settable_names()),
                     &[Param::text(row.to_string()), Param::text(ctid)],
                 )
                 .await?
@@ -571,7 +571,8 @@ impl Applier {
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
-        let set_mask = unchanged_mask(&upd.new);
+        let set_mask = rel.set_mask(&upd.new);
+        let toast_mask = unchanged_mask(&upd.new);
         let set_params = tuple_params(&upd.new, rel, Some(&set_mask))?;
         let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
         let loc = masked_locator(rel, &match_mask);
@@ -612,22 +613,28 @@ impl Applier {
                     let unsent: Vec<&str> = rel
                         .local_names
                         .iter()
-                        .zip(&set_mask)
+                        .zip(&toast_mask)
                         .filter(|(_, u)| **u)
                         .map(|(n, _)| n.as_str())
                         .collect();
                     if !unsent.is_empty() {
-                        return Err(fail(
-                            rel,
-                            format!(
-                                "{kind}: key {} is missing here and the update must become an insert, \
+                        // MM002: may pass by itself (the row can still
+                        // arrive from its origin through a third node), so
+                        // wait-sync keeps waiting instead of failing.
+                        return Err(ApplyFailure {
+                            sqlstate: Some("MM002".to_owned()),
+                            ..fail(
+                                rel,
+                                format!(
+                                    "{kind}: key {} is missing here and the update must become an insert, \
                                  but the publisher sent columns {} as unchanged TOAST (values not in the stream); \
                                  NOT writing NULL for them. Unresolved: waiting for the row to arrive from \
                                  another node (retrying), or `mmctl skip` this transaction",
-                                key.as_ref().map_or("?".into(), Value::to_string),
-                                unsent.join(", ")
-                            ),
-                        ));
+                                    key.as_ref().map_or("?".into(), Value::to_string),
+                                    unsent.join(", ")
+                                ),
+                            )
+                        });
                     }
                     let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
                     let params = tuple_params(&upd.new, rel, None)?;

@@ -36,6 +36,11 @@ pub struct LocalRelation {
     /// Unique indexes usable for collision checks (plain columns, not
     /// partial), as remote column indexes; includes the key index.
     pub unique_indexes: Vec<Vec<usize>>,
+    /// For each remote column: a `GENERATED ALWAYS AS IDENTITY` column here.
+    /// Inserts write the publisher's value (`OVERRIDING SYSTEM VALUE`);
+    /// updates leave it out of SET, since PostgreSQL refuses any explicit
+    /// value there (and the publisher cannot have changed it by UPDATE either).
+    pub always_identity: Vec<bool>,
     /// Single-row INSERT: [inside a transaction, a whole transaction]
     /// (`sql::Commit`).
     pub insert: [Option<Statement>; 2],
@@ -58,6 +63,30 @@ impl LocalRelation {
             Locator::Key(k) => Some(k.iter().map(String::as_str).collect()),
             Locator::AllColumns(_) => None,
         }
+    }
+
+    /// Columns an update must not SET: unchanged TOAST (not sent) and
+    /// `GENERATED ALWAYS` identity columns.
+    pub fn set_mask(&self, tuple: &mm_proto::pgoutput::TupleData) -> Vec<bool> {
+        tuple
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                matches!(c, mm_proto::pgoutput::ColumnValue::UnchangedToast)
+                    || self.always_identity.get(i).copied().unwrap_or(false)
+            })
+            .collect()
+    }
+
+    /// Local column names an update may SET (see `set_mask`).
+    pub fn settable_names(&self) -> Vec<&str> {
+        self.local_names
+            .iter()
+            .zip(&self.always_identity)
+            .filter(|(_, a)| !**a)
+            .map(|(n, _)| n.as_str())
+            .collect()
     }
 
     /// Local types of the key columns, in key order.
@@ -91,17 +120,22 @@ impl LocalRelation {
         let replident: String = row.get(1);
         let cols = client
             .query(
-                "SELECT attname::text, pg_catalog.format_type(atttypid, NULL) FROM pg_catalog.pg_attribute \
+                "SELECT attname::text, pg_catalog.format_type(atttypid, NULL), attidentity = 'a' \
+                 FROM pg_catalog.pg_attribute \
                  WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
                 &[&oid],
             )
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
-        let local_cols: Vec<(String, String)> = cols.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let local_cols: Vec<(String, String, bool)> = cols
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
         let mut local_names = Vec::with_capacity(remote.columns.len());
         let mut local_types = Vec::with_capacity(remote.columns.len());
+        let mut always_identity = Vec::with_capacity(remote.columns.len());
         for rc in &remote.columns {
-            let Some((_, ty)) = local_cols.iter().find(|(c, _)| c == &rc.name) else {
+            let Some((_, ty, always)) = local_cols.iter().find(|(c, _, _)| c == &rc.name) else {
                 return Err(fail(format!(
                     "table {display} on this node is missing replicated column \"{}\"",
                     rc.name
@@ -109,6 +143,7 @@ impl LocalRelation {
             };
             local_names.push(rc.name.clone());
             local_types.push(ty.clone());
+            always_identity.push(*always);
         }
         let uniq = client
             .query(
@@ -180,6 +215,7 @@ impl LocalRelation {
             relid: oid,
             local_types,
             unique_indexes,
+            always_identity,
             remote,
             insert: [None, None],
             insert_batch: None,

@@ -67,7 +67,9 @@ fn where_clause(table: &str, loc: &Locator, first_param: usize, out: &mut String
     }
 }
 
-/// `INSERT INTO t (c1, c2) VALUES ($1, $2)`.
+/// `INSERT INTO t (c1, c2) OVERRIDING SYSTEM VALUE VALUES ($1, $2)`: the
+/// publisher's values, also for `GENERATED ALWAYS AS IDENTITY` columns (a
+/// no-op for tables without one).
 pub fn insert(table: &str, cols: &[&str]) -> String {
     let mut s = format!("INSERT INTO {table} (");
     for (i, c) in cols.iter().enumerate() {
@@ -76,7 +78,7 @@ pub fn insert(table: &str, cols: &[&str]) -> String {
         }
         s.push_str(&quote_ident(c));
     }
-    s.push_str(") VALUES (");
+    s.push_str(") OVERRIDING SYSTEM VALUE VALUES (");
     for i in 0..cols.len() {
         if i > 0 {
             s.push_str(", ");
@@ -193,7 +195,8 @@ pub fn fast_insert(
     };
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
-    let mut s = format!("INSERT INTO {table} ({names}) SELECT v.* FROM (VALUES ");
+    let mut s =
+        format!("INSERT INTO {table} ({names}) OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ");
     let mut n = 0;
     for r in 0..rows {
         if r > 0 {
@@ -330,7 +333,7 @@ pub fn tombstone_lookup(relid: u32, key_cols: &[&str], types: &[&str]) -> String
 /// transaction wrote it.
 pub fn fetch_rows(table: &str, where_sql: &str) -> String {
     format!(
-        "SELECT r.ctid::text, pg_catalog.to_jsonb(r), o.roident, o.\"timestamp\", \
+        "SELECT r.ctid::text, pg_catalog.to_jsonb(r.*), o.roident, o.\"timestamp\", \
          r.xmin = pg_catalog.pg_current_xact_id()::xid \
          FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) o ON true \
          WHERE {where_sql} FOR UPDATE OF r"
@@ -372,7 +375,7 @@ pub fn where_alias(loc: &Locator, first_param: usize) -> String {
 /// A tuple as jsonb, typed like the local columns: `to_jsonb` of a row of
 /// casts, so it reads exactly like a local row's jsonb.
 pub fn row_json(cols: &[&str], types: &[&str]) -> String {
-    let mut s = String::from("SELECT pg_catalog.to_jsonb(x) FROM (SELECT ");
+    let mut s = String::from("SELECT pg_catalog.to_jsonb(x.*) FROM (SELECT ");
     for (i, (c, ty)) in cols.iter().zip(types).enumerate() {
         if i > 0 {
             s.push_str(", ");
@@ -388,7 +391,7 @@ pub fn insert_json(table: &str, cols: &[&str]) -> String {
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
     format!(
-        "INSERT INTO {table} ({names}) SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)"
+        "INSERT INTO {table} ({names}) OVERRIDING SYSTEM VALUE SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)"
     )
 }
 
@@ -421,11 +424,11 @@ mod tests {
         let t = qualified("public", "acc");
         assert_eq!(
             insert(&t, &["id", "v"]),
-            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") VALUES ($1, $2)"
+            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1, $2)"
         );
         assert_eq!(
             insert_rows(&t, &["id", "v"], 3),
-            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") VALUES ($1, $2), ($3, $4), ($5, $6)"
+            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1, $2), ($3, $4), ($5, $6)"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
@@ -453,7 +456,7 @@ mod tests {
         let ins = fast_insert(&t, &["id", "v"], &["integer", "text"], 2, 42, Some(&["id"]));
         assert_eq!(
             ins,
-            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
+            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
              WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
              THEN true ELSE mm.conflict() END"
@@ -496,7 +499,7 @@ mod tests {
         );
         assert_eq!(
             fused_insert(&insert(&t, &["a"]), 2),
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") VALUES ($1)) SELECT mm.advance_progress($2, $3, $4, $5)"
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1)) SELECT mm.advance_progress($2, $3, $4, $5)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
