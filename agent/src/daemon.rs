@@ -153,11 +153,21 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         watermarks,
         status,
     ));
+    let lag_probe = tokio::spawn(
+        crate::lag::Probe {
+            local_node: name.clone(),
+            local_dsn: cfg.postgres.dsn.clone(),
+            password: local.password.clone(),
+            status: Arc::clone(&local.status),
+        }
+        .run(raft.cluster()),
+    );
     let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
 
     shutdown_signal().await;
     info!(node = %name, "shutting down");
     reconciler.abort();
+    lag_probe.abort();
     watermark_task.abort();
     server.abort();
     let _ = raft.shutdown().await;

@@ -15,6 +15,7 @@ pub mod apply;
 pub mod cluster;
 pub mod conflict;
 pub mod daemon;
+pub mod lag;
 pub mod metrics;
 pub mod pg;
 pub mod prereq;

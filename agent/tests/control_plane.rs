@@ -867,16 +867,32 @@ async fn wal_lsn_and_wait_sync_against_real_postgres() {
     let barrier_a: Lsn = v["barrier"]["a1"].as_str().unwrap().parse().unwrap();
     assert!(barrier_a >= after);
 
-    // A paused pair is not waited for.
+    // A paused pair is left out with --ignore-paused ...
     set(&a, "b2", Lsn(0x10));
     let _: PauseResponse = c
         .post(&b.url, "/v1/pause", &pair("b2", "a1"), None)
         .await
         .unwrap();
     wait_state(&a, "b2→a1 paused", |s| s.is_paused("b2", "a1")).await;
-    let (code, out, err) = wait_sync("5", false).await;
+    // ... unless told to: then what waits in its slot decides, and here the
+    // publisher's PostgreSQL cannot be asked (its peer_dsn is not real).
+    let (code, _, err) = wait_sync("2", false).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("b2 → a1 (paused; cannot tell what waits"),
+        "{err}"
+    );
+    let (code, out, err) = mmctl(args(
+        &a.url,
+        &token_file,
+        &["wait-sync", "--timeout", "5", "--ignore-paused"],
+    ))
+    .await;
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("in sync: 1 streams"), "{out}");
+    assert!(
+        out.contains("in sync: 1 streams") && out.contains("(1 paused left out)"),
+        "{out}"
+    );
 
     a.stop().await;
     b.stop().await;
@@ -1078,6 +1094,25 @@ async fn skip_conflicts_and_counters_against_real_postgres() {
     }
     assert!(skip_requests(&db_b).await.is_empty());
 
+    // An LSN the stream is not stopped at is refused (nothing stored).
+    b.status.update("a1", |s| {
+        s.state = StreamState::Error;
+        s.stuck_lsn = Some("0/16B3748".parse().unwrap());
+    });
+    let (code, out, err) = mmctl(args(
+        &b.url,
+        &token_file,
+        &["skip", "--from", "a1", "--lsn", "0/16B3700"],
+    ))
+    .await;
+    assert_eq!(code, 1, "{out} {err}");
+    one_line(&err);
+    assert!(
+        err.contains("not stopped at 0/16B3700") && err.contains("0/16B3748"),
+        "{err}"
+    );
+    assert!(skip_requests(&db_b).await.is_empty());
+
     // A good one is stored on the addressed node only, and kicks its stream from a1.
     let kick = b.status.kick_signal("a1");
     let (code, out, err) = mmctl(args(
@@ -1121,7 +1156,10 @@ async fn skip_conflicts_and_counters_against_real_postgres() {
     );
     assert_eq!(skip_requests(&db_b).await.len(), 1);
     // A publisher known only by its running stream is accepted too.
-    b.status.update("old3", |s| s.state = StreamState::Error);
+    b.status.update("old3", |s| {
+        s.state = StreamState::Error;
+        s.stuck_lsn = Some("2/0".parse().unwrap());
+    });
     let (code, _, err) = mmctl(args(
         &b.url,
         &token_file,

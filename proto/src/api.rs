@@ -44,6 +44,32 @@ pub struct StreamStatus {
     /// before their commit: evidence that large transactions stream.
     #[serde(default)]
     pub streamed_bytes: u64,
+    /// Whether the last error will go away by itself (a connection, a
+    /// restart) or needs an operator (a transaction that cannot be applied).
+    #[serde(default)]
+    pub error_kind: Option<ErrorKind>,
+    /// The transaction the stream is stopped at (a definite error): its
+    /// commit LSN, as `mmctl skip --lsn` takes it, and commit timestamp.
+    #[serde(default)]
+    pub stuck_lsn: Option<Lsn>,
+    #[serde(default)]
+    pub stuck_commit_ts: Option<chrono::DateTime<chrono::Utc>>,
+    /// The publisher's newest WAL position this node knows of (lag probe or
+    /// stream): `lag_bytes` is measured against it.
+    #[serde(default)]
+    pub publisher_lsn: Option<Lsn>,
+}
+
+/// See `StreamStatus::error_kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// Retried until it passes (publisher or local node unreachable or
+    /// restarting, a deadlock): nothing for an operator to do but wait.
+    Transient,
+    /// The same transaction fails every time: the stream cannot move until
+    /// the data or schema is fixed or the transaction is skipped.
+    Definite,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -185,6 +211,24 @@ pub struct StatusResponse {
     /// data plane has counted them.
     #[serde(default)]
     pub tombstones: Option<u64>,
+}
+
+/// `POST /v1/pending` on the subscriber: is a transaction of `from`
+/// committed below `upto` still waiting in `from`'s slot for this node? For
+/// streams that do not run (paused): `wait-sync` asks it so that a paused
+/// stream counts as behind only when something really waits, not when the
+/// publisher's WAL merely moved (watermarks, changes from other nodes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PendingRequest {
+    pub from: String,
+    pub upto: Lsn,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingResponse {
+    /// The first waiting transaction's commit timestamp; None: none waits.
+    pub first_commit_ts: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// `GET /v1/wal-lsn`: the local PostgreSQL's current WAL insert position.

@@ -150,8 +150,21 @@ impl TestCluster {
 
     /// `mmctl wait-sync`, failing with the agents' log tails on timeout.
     pub async fn wait_sync(&self, timeout_secs: u64) -> Result<()> {
+        self.wait_sync_args(timeout_secs, &[]).await
+    }
+
+    /// `mmctl wait-sync --ignore-paused`: for tests that hold a stream
+    /// paused on purpose while the others catch up.
+    pub async fn wait_sync_ignore_paused(&self, timeout_secs: u64) -> Result<()> {
+        self.wait_sync_args(timeout_secs, &["--ignore-paused"])
+            .await
+    }
+
+    async fn wait_sync_args(&self, timeout_secs: u64, extra: &[&str]) -> Result<()> {
         let t = timeout_secs.to_string();
-        let out = self.mmctl(0, &["wait-sync", "--timeout", &t]).await?;
+        let mut args = vec!["wait-sync", "--timeout", &t];
+        args.extend_from_slice(extra);
+        let out = self.mmctl(0, &args).await?;
         if !out.success() {
             let mut logs = String::new();
             for a in &self.agents {
@@ -298,7 +311,13 @@ impl TestCluster {
     }
 
     /// `mmctl status --json` from agent `i`.
+    /// Also when it exits 1 because a stream is in error: the JSON is
+    /// printed all the same.
     pub async fn status_json(&self, i: usize) -> Result<serde_json::Value> {
-        self.mmctl(i, &["status", "--json"]).await?.ok()?.json()
+        let out = self.mmctl(i, &["status", "--json"]).await?;
+        match out.json() {
+            Ok(v) => Ok(v),
+            Err(_) => out.ok()?.json(),
+        }
     }
 }

@@ -1037,13 +1037,18 @@ async fn error_resolver_stops_the_stream_until_skip() -> Result<()> {
         let rows = c
             .rows(
                 i,
-                "SELECT conflict_type, relation, remote_origin, resolution, remote_lsn::text \
-                 FROM mm.conflict_log ORDER BY id",
+                "SELECT conflict_type, relation, remote_origin, resolution, remote_lsn::text, \
+                 remote_tuple::text FROM mm.conflict_log ORDER BY id",
             )
             .await?;
+        // The audit row names the relation and the rows skipped (key 1).
         ensure!(
             rows.len() == 1
-                && rows[0][..4] == row(&["skipped_transaction", "", from, "skipped"])[..]
+                && rows[0][..4] == row(&["skipped_transaction", "public.t", from, "skipped"])[..]
+                && rows[0][5].as_deref()
+                    == Some(
+                        r#"{"rows": [{"op": "insert", "key": {"id": "1"}, "relation": "public.t"}], "changes": 1}"#
+                    )
                 && rows[0][4].as_deref().map(parse_lsn).transpose()? == Some(parse_lsn(lsn)?),
             "conflict log on {}: want one skipped_transaction from {from} at {lsn}, got {rows:?}",
             c.pg[i].name()
@@ -1259,7 +1264,7 @@ async fn three_nodes_late_insert_loses_to_newer_update_and_delete() -> Result<()
         Duration::from_secs(30),
     )
     .await?;
-    c.wait_sync(60).await?;
+    c.wait_sync_ignore_paused(60).await?;
     assert_rows(&c, 0, DUMP_T, &[&["1", "b"]]).await?;
     c.resume("tn3", "tn1").await?;
     c.wait_sync(90).await?;

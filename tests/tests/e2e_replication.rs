@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 use mm_tests::TestCluster;
 
 const SCHEMA: &str = "
@@ -263,8 +263,16 @@ async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
     c.pg[1]
         .execute("INSERT INTO kv (id, v) VALUES (2, 'flows')")
         .await?;
-    // wait-sync waits only on the streams that are not paused.
-    c.wait_sync(60).await?;
+    // wait-sync fails on the paused stream with a change waiting, naming it
+    // (SPEC §4), and with --ignore-paused waits only on the others.
+    let out = c.mmctl(0, &["wait-sync", "--timeout", "30"]).await?;
+    ensure!(
+        !out.success() && out.stderr.contains("e1 → e2") && out.stderr.contains("paused"),
+        "wait-sync with e1 -> e2 paused and behind: {}{}",
+        out.stdout,
+        out.stderr
+    );
+    c.wait_sync_ignore_paused(60).await?;
     assert_eq!(
         c.rows(0, "SELECT count(*) FROM kv").await?[0][0].as_deref(),
         Some("2")
@@ -287,7 +295,7 @@ async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
     c.pg[0]
         .execute("INSERT INTO kv (id, v) VALUES (3, 'held too')")
         .await?;
-    c.wait_sync(60).await?;
+    c.wait_sync_ignore_paused(60).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         c.rows(1, "SELECT count(*) FROM kv").await?[0][0].as_deref(),

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use mm_proto::Lsn;
 use mm_proto::api::{
     AddNodeRequest, InfoResponse, InitResponse, LeaderInfo, NodeInfo, NodeState, PairRequest,
-    PauseResponse, StatusResponse, WalLsnResponse,
+    PauseResponse, PendingRequest, PendingResponse, StatusResponse, WalLsnResponse,
 };
 use serde::Serialize;
 
@@ -228,6 +228,40 @@ pub(super) async fn wal_lsn(State(s): State<AppState>) -> Result<Json<WalLsnResp
         .parse()
         .map_err(|e| ApiError::internal(format!("pg_current_wal_lsn(): {e}")))?;
     Ok(Json(WalLsnResponse { lsn }))
+}
+
+/// Peeks at `from`'s slot for this node (see `PendingRequest`).
+pub(super) async fn pending(
+    State(s): State<AppState>,
+    ApiJson(req): ApiJson<PendingRequest>,
+) -> Result<Json<PendingResponse>, ApiError> {
+    let peer_dsn = s
+        .raft
+        .cluster()
+        .borrow()
+        .node_by_name(&req.from)
+        .map(|n| n.peer_dsn.clone())
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("node {} is not a member of the cluster", req.from),
+            )
+        })?;
+    let client = crate::pg::connect(&peer_dsn, s.local_password.as_deref())
+        .await
+        .map_err(|e| ApiError::unavailable(format!("node {}'s PostgreSQL: {e}", req.from)))?;
+    let slot = crate::stream::names::slot_name(&req.from, &s.node_name);
+    let first_commit_ts = crate::lag::first_pending_commit(&client, &slot, req.upto)
+        .await
+        .map_err(|e| {
+            ApiError::unavailable(format!(
+                "cannot read slot {slot} on node {}: {}",
+                req.from,
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+            ))
+        })?;
+    Ok(Json(PendingResponse { first_commit_ts }))
 }
 
 /// The data plane's per-stream metrics followed by the control plane's.

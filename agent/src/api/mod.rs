@@ -91,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/resume", post(admin::resume))
         .route("/v1/status", get(admin::status))
         .route("/v1/wal-lsn", get(admin::wal_lsn))
+        .route("/v1/pending", post(admin::pending))
         .route("/v1/skip", post(ops::skip))
         .route("/v1/conflicts", get(ops::conflicts))
         .route("/v1/cluster/conflicts", get(ops::cluster_conflicts))

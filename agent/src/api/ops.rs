@@ -67,6 +67,31 @@ pub(super) async fn skip(
             ),
         ));
     }
+    // Only the transaction the stream is stopped at can be skipped: a
+    // request for any other LSN would wait invisibly and skip whatever
+    // later commits there.
+    let stream = s.status.get(from);
+    let stuck = stream.as_ref().and_then(|st| st.stuck_lsn);
+    if stuck != Some(lsn) {
+        let now = match (&stream, stuck) {
+            (_, Some(l)) => format!("it is stopped at the transaction with commit LSN {l}"),
+            (Some(st), None) => format!(
+                "it is {}, not stopped at a transaction",
+                serde_json::to_value(st.state)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            ),
+            (None, None) => "it is not running here".to_owned(),
+        };
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "the stream from {from} into {} is not stopped at {lsn} ({now}); nothing to skip (mmctl status shows a stuck transaction's commit LSN)",
+                s.node_name
+            ),
+        ));
+    }
     let already_requested = tokio::time::timeout(LOCAL_TIMEOUT, store_skip(&s, from, lsn))
         .await
         .map_err(|_| {
@@ -76,6 +101,13 @@ pub(super) async fn skip(
             ))
         })??;
     s.status.kick(from);
+    // It restarts now: a wait-sync right after the skip must not see the
+    // error it is about to leave behind.
+    s.status.update(from, |st| {
+        if st.state == mm_proto::api::StreamState::Error {
+            st.state = mm_proto::api::StreamState::Starting;
+        }
+    });
     tracing::info!(from, %lsn, already_requested, "skip requested");
     Ok(Json(SkipResponse {
         node: s.node_name.clone(),

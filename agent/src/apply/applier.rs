@@ -347,6 +347,39 @@ impl Applier {
     }
 
     /// Reads the local origin ids of every `mm_<node>` origin.
+    /// The stream's counters as stored: applied transactions (counted by
+    /// `mm.advance_progress` in each one) and conflicts by type (the
+    /// conflict log's rows from this peer), so status survives restarts.
+    pub async fn stored_counters(&self) -> Result<(u64, BTreeMap<String, u64>), ApplyFailure> {
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
+        let txns: i64 = self
+            .client
+            .query_one(
+                "SELECT applied_txns FROM mm.apply_progress WHERE origin = $1",
+                &[&self.origin],
+            )
+            .await
+            .map_err(pg)?
+            .try_get(0)
+            .map_err(pg)?;
+        let rows = self
+            .client
+            .query(
+                "SELECT conflict_type, count(*) FROM mm.conflict_log \
+                 WHERE remote_origin = $1 AND conflict_type <> 'skipped_transaction' GROUP BY 1",
+                &[&self.ctx.peer],
+            )
+            .await
+            .map_err(pg)?;
+        let mut conflicts = BTreeMap::new();
+        for r in rows {
+            let ty: String = r.try_get(0).map_err(pg)?;
+            let n: i64 = r.try_get(1).map_err(pg)?;
+            conflicts.insert(ty, n.max(0) as u64);
+        }
+        Ok((txns.max(0) as u64, conflicts))
+    }
+
     pub(super) async fn load_origins(&mut self) -> Result<(), ApplyFailure> {
         let rows = self
             .client
@@ -620,7 +653,7 @@ impl Applier {
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
         if self.skips.contains(&meta.commit_lsn) {
-            return self.queue_skip(pipe, meta).await;
+            return self.queue_skip(pipe, meta, src).await;
         }
         // Formatted once per transaction, not per row.
         let guard = self.guard_params(&txn);
@@ -732,22 +765,87 @@ impl Applier {
     }
 
     /// `mmctl skip`: the transaction's changes are not applied; its progress
-    /// is, with an audit row in the conflict log, and the request is consumed
-    /// in the same local transaction.
+    /// is, with an audit row in the conflict log naming the relations and
+    /// the rows skipped (keys as sent, the first `SKIP_AUDIT_ROWS`), and the
+    /// request is consumed in the same local transaction. RELATION messages
+    /// inside it are still taken: the publisher sends each relation once per
+    /// session, and later transactions refer to it.
     async fn queue_skip(
         &mut self,
         pipe: &mut Pipeline,
         meta: &TxnMeta,
+        src: &mut dyn ChangeSource,
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
         let control = |kind| control_op(kind, txn);
+        let mut relations: Vec<String> = Vec::new();
+        let mut rows: Vec<serde_json::Value> = Vec::new();
+        let mut changes = 0u64;
+        while let Some(msg) = src.next_message()? {
+            let (oid, op, key) = match &msg {
+                Message::Relation(_) => {
+                    pipe.settle(0).await?;
+                    if let Message::Relation(r) = msg {
+                        self.relation(r).await?;
+                    }
+                    continue;
+                }
+                Message::Insert(i) => (i.relation_oid, "insert", Some(&i.new)),
+                Message::Update(u) => (
+                    u.relation_oid,
+                    "update",
+                    match &u.old {
+                        Some(OldTuple::Full(t)) => Some(t),
+                        _ => Some(&u.new),
+                    },
+                ),
+                Message::Delete(d) => (
+                    d.relation_oid,
+                    "delete",
+                    match &d.old {
+                        OldTuple::Full(t) => Some(t),
+                        OldTuple::Key(_) => None,
+                    },
+                ),
+                Message::Truncate(t) => {
+                    for oid in &t.relation_oids {
+                        if let Ok(rel) = self.rel(*oid) {
+                            note_relation(&mut relations, &rel.display);
+                            push_capped(
+                                &mut rows,
+                                serde_json::json!({"relation": &*rel.display, "op": "truncate"}),
+                            );
+                        }
+                    }
+                    changes += 1;
+                    continue;
+                }
+                _ => continue,
+            };
+            changes += 1;
+            let Ok(rel) = self.rel(oid) else { continue };
+            note_relation(&mut relations, &rel.display);
+            let key = match (&msg, key) {
+                (Message::Delete(d), None) => match &d.old {
+                    OldTuple::Key(k) => key_json_of_key(rel, k),
+                    OldTuple::Full(_) => serde_json::Value::Null,
+                },
+                (_, Some(t)) => key_json_of_tuple(rel, t),
+                _ => serde_json::Value::Null,
+            };
+            push_capped(
+                &mut rows,
+                serde_json::json!({"relation": &*rel.display, "op": op, "key": key}),
+            );
+        }
+        let summary = serde_json::json!({"changes": changes, "rows": rows});
         let audit = Self::prepare_settled(
             pipe,
             &self.client,
             "mm.conflict_log",
             "WITH r AS (DELETE FROM mm.skip_requests WHERE from_node = $1 AND commit_lsn = $2::pg_lsn) \
-             INSERT INTO mm.conflict_log (relation, conflict_type, remote_origin, remote_commit_ts, remote_lsn, resolution) \
-             VALUES ('', 'skipped_transaction', $1, $3::timestamptz, $2::pg_lsn, 'skipped')",
+             INSERT INTO mm.conflict_log (relation, conflict_type, remote_origin, remote_commit_ts, remote_lsn, resolution, remote_tuple) \
+             VALUES ($4, 'skipped_transaction', $1, $3::timestamptz, $2::pg_lsn, 'skipped', $5::jsonb)",
         )
         .await?;
         pipe.push(
@@ -756,11 +854,13 @@ impl Applier {
                 Param::text(self.ctx.peer.clone()),
                 Param::text(meta.commit_lsn.to_string()),
                 Param::text(meta.commit_ts.to_string()),
+                Param::text(relations.join(", ")),
+                Param::text(summary.to_string()),
             ],
             control(OpKind::Control),
         )
         .await?;
-        tracing::warn!(commit_lsn = %meta.commit_lsn, xid = meta.xid, "skipping the transaction as requested by mmctl skip");
+        tracing::warn!(commit_lsn = %meta.commit_lsn, xid = meta.xid, relations = %relations.join(", "), changes, "skipping the transaction as requested by mmctl skip");
         self.skips.remove(&meta.commit_lsn);
         self.finish_queue(pipe, meta).await
     }
@@ -951,7 +1051,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(upd.relation_oid)?;
         let display = Arc::clone(&rel.display);
-        let set_mask = unchanged_mask(&upd.new);
+        let set_mask = rel.set_mask(&upd.new);
         if set_mask.len() != rel.local_names.len() {
             return Err(column_count(rel, set_mask.len()));
         }
@@ -1219,4 +1319,54 @@ pub(super) fn locate(
             Ok((mask, params))
         }
     }
+}
+
+/// Rows of a skipped transaction listed in its audit row.
+const SKIP_AUDIT_ROWS: usize = 100;
+
+fn note_relation(relations: &mut Vec<String>, display: &str) {
+    if !relations.iter().any(|r| r == display) {
+        relations.push(display.to_owned());
+    }
+}
+
+fn push_capped(rows: &mut Vec<serde_json::Value>, v: serde_json::Value) {
+    if rows.len() < SKIP_AUDIT_ROWS {
+        rows.push(v);
+    }
+}
+
+fn text_json(v: &ColumnValue) -> serde_json::Value {
+    match v {
+        ColumnValue::Text(b) => serde_json::Value::String(String::from_utf8_lossy(b).into_owned()),
+        _ => serde_json::Value::Null,
+    }
+}
+
+/// The key columns of a full tuple, as sent (text), for audit rows.
+fn key_json_of_tuple(rel: &LocalRelation, t: &TupleData) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    let idx: Vec<usize> = if rel.key_remote.is_empty() {
+        (0..t.columns.len()).collect()
+    } else {
+        rel.key_remote.clone()
+    };
+    for i in idx {
+        if let (Some(name), Some(v)) = (rel.local_names.get(i), t.columns.get(i)) {
+            m.insert(name.clone(), text_json(v));
+        }
+    }
+    serde_json::Value::Object(m)
+}
+
+fn key_json_of_key(rel: &LocalRelation, k: &mm_proto::pgoutput::KeyTuple) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    if let Ok(vals) = k.values(&rel.remote) {
+        for (i, v) in vals.enumerate() {
+            if let (KeyValue::Key(c), Some(name)) = (v, rel.local_names.get(i)) {
+                m.insert(name.clone(), text_json(c));
+            }
+        }
+    }
+    serde_json::Value::Object(m)
 }

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use mm_proto::Lsn;
 use mm_proto::api::{
-    AddNodeRequest, ClusterConflictsResponse, InitResponse, NodeInfo, NodeState, PairRequest,
-    PauseResponse, SkipRequest, SkipResponse, StatusResponse, StreamState, WalLsnResponse,
+    AddNodeRequest, ClusterConflictsResponse, ErrorKind, InitResponse, NodeInfo, NodeState,
+    PairRequest, PauseResponse, PendingRequest, PendingResponse, SkipRequest, SkipResponse,
+    StatusResponse, StreamState, StreamStatus, WalLsnResponse,
 };
 use serde::Serialize;
 
@@ -37,13 +38,19 @@ impl CtlError {
 pub struct Output {
     pub human: String,
     pub json: serde_json::Value,
+    /// Printed in full, then exit 1 (status with a stream in error).
+    pub failed: bool,
 }
 
 impl Output {
     fn new<T: Serialize>(human: String, json: &T) -> Result<Self, CtlError> {
         let json =
             serde_json::to_value(json).map_err(|e| CtlError::new("encoding JSON output", e))?;
-        Ok(Self { human, json })
+        Ok(Self {
+            human,
+            json,
+            failed: false,
+        })
     }
 }
 
@@ -218,7 +225,11 @@ pub async fn status(c: &AgentClient, agent: &str) -> Result<Output, CtlError> {
         .map_err(|e| CtlError::new("status", e))?;
     let statuses = fetch_all_statuses(c, &first).await;
     let agg = aggregate(agent, &first, &statuses);
-    Output::new(render_status(&agg), &agg)
+    let mut out = Output::new(render_status(&agg), &agg)?;
+    // Documented: status exits 1 when any stream is in error, so scripts
+    // and health checks need not parse it.
+    out.failed = agg.pairs.iter().any(|p| p.state == "error");
+    Ok(out)
 }
 
 /// Every node's /v1/status (by node id), reusing `first` for the node that answered it.
@@ -288,6 +299,9 @@ pub fn aggregate(
                 restarts: None,
                 streamed_bytes: None,
                 last_error: None,
+                error_kind: None,
+                stuck_lsn: None,
+                publisher_lsn: None,
             };
             if let Some(Ok(st)) = statuses.get(&to.id) {
                 match st.streams.iter().find(|s| s.from == from.name) {
@@ -307,6 +321,9 @@ pub fn aggregate(
                         p.restarts = Some(s.restarts);
                         p.streamed_bytes = Some(s.streamed_bytes);
                         p.last_error = s.last_error.clone();
+                        p.error_kind = s.error_kind;
+                        p.stuck_lsn = s.stuck_lsn;
+                        p.publisher_lsn = s.publisher_lsn;
                     }
                 }
             }
@@ -335,18 +352,28 @@ struct WaitSyncResult {
     synced: bool,
     /// Ordered pairs (from, to) that were waited for.
     pairs: usize,
+    /// Paused pairs left out (`--ignore-paused`).
+    ignored_paused: usize,
     elapsed_seconds: f64,
     /// Each node's WAL position at the start of the barrier.
     barrier: BTreeMap<String, Lsn>,
 }
 
 /// The barrier: every node's WAL position is read once; then every node must
-/// have processed every other node's stream up to that position (paused
-/// pairs excepted).
+/// have processed every other node's stream up to that position.
+///
+/// It fails at once, instead of waiting out the timeout, for a stream that
+/// cannot get there by itself: one stopped by a definite error (its error is
+/// printed: peer, relation, LSN, cause) and a paused one with a transaction
+/// of the publisher's committed before the barrier still waiting in its slot
+/// (with its lag), unless `ignore_paused` leaves paused pairs out. A paused
+/// stream with nothing waiting is in sync: the publisher's WAL moves without
+/// writes of its own (watermarks, changes it applied from other nodes).
 pub async fn wait_sync(
     c: &AgentClient,
     agent: &str,
     timeout: Duration,
+    ignore_paused: bool,
 ) -> Result<Output, CtlError> {
     let started = Instant::now();
     let fail = |why: String| CtlError::new("wait-sync", why);
@@ -375,12 +402,18 @@ pub async fn wait_sync(
 
     // (from, to) → last known description of why it is behind.
     let mut pending: BTreeMap<(String, String), String> = BTreeMap::new();
+    let mut skipped = 0usize;
     for from in &nodes {
         for to in &nodes {
             let key = (from.name.clone(), to.name.clone());
-            if from.id != to.id && !paused.contains(&key) {
-                pending.insert(key, "not checked yet".into());
+            if from.id == to.id {
+                continue;
             }
+            if ignore_paused && paused.contains(&key) {
+                skipped += 1;
+                continue;
+            }
+            pending.insert(key, "not checked yet".into());
         }
     }
     let total = pending.len();
@@ -397,42 +430,61 @@ pub async fn wait_sync(
             )
         }))
         .await;
+        // Streams that will not get there by themselves: fail now.
+        let mut stuck: Vec<String> = Vec::new();
         for (to, answer) in answers {
             let keys: Vec<(String, String)> =
                 pending.keys().filter(|(_, t)| *t == to).cloned().collect();
             for key in keys {
                 let target = barrier.get(&key.0).copied().unwrap_or_default();
                 let verdict = match &answer {
-                    Err(e) => Some(format!("{to} unreachable: {e}")),
-                    Ok(st) => match st.streams.iter().find(|s| s.from == key.0) {
-                        None => Some("no stream".into()),
-                        Some(s) => match s.processed_lsn {
-                            Some(p) if p >= target => None,
-                            Some(p) => Some(format!("processed {p} of {target}")),
-                            None => Some(format!("nothing processed yet, need {target}")),
-                        },
-                    },
+                    Err(e) => Verdict::Behind(format!("{to} unreachable: {e}")),
+                    Ok(st) => {
+                        let s = st.streams.iter().find(|s| s.from == key.0);
+                        let api_url = targets
+                            .iter()
+                            .find(|n| n.name == to)
+                            .map(|n| n.api_url.as_str())
+                            .unwrap_or(agent);
+                        judge(c, api_url, &key, s, target, paused.contains(&key)).await
+                    }
                 };
                 match verdict {
-                    None => {
+                    Verdict::Done => {
                         pending.remove(&key);
                     }
-                    Some(why) => {
+                    Verdict::Behind(why) => {
                         pending.insert(key, why);
                     }
+                    Verdict::Stuck(why) => stuck.push(format!("{} → {}: {why}", key.0, key.1)),
                 }
             }
+        }
+        if !stuck.is_empty() {
+            return Err(fail(format!(
+                "{} stream(s) cannot catch up by themselves:\n{}",
+                stuck.len(),
+                stuck.join("\n")
+            )));
         }
         if pending.is_empty() {
             let elapsed = started.elapsed().as_secs_f64();
             let res = WaitSyncResult {
                 synced: true,
                 pairs: total,
+                ignored_paused: skipped,
                 elapsed_seconds: elapsed,
                 barrier,
             };
+            let note = if skipped > 0 {
+                format!(" ({skipped} paused left out)")
+            } else {
+                String::new()
+            };
             return Output::new(
-                format!("in sync: {total} streams caught up with the barrier in {elapsed:.1}s"),
+                format!(
+                    "in sync: {total} streams caught up with the barrier in {elapsed:.1}s{note}"
+                ),
                 &res,
             );
         }
@@ -448,6 +500,74 @@ pub async fn wait_sync(
             )));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+enum Verdict {
+    Done,
+    /// Still moving (or not yet known): keep waiting.
+    Behind(String),
+    /// Will not move by itself: fail at once.
+    Stuck(String),
+}
+
+/// One pair against the barrier `target` (the publisher's WAL position at
+/// the start).
+async fn judge(
+    c: &AgentClient,
+    to_api: &str,
+    (from, _): &(String, String),
+    s: Option<&StreamStatus>,
+    target: Lsn,
+    paused: bool,
+) -> Verdict {
+    let processed = s.and_then(|s| s.processed_lsn);
+    if processed.is_some_and(|p| p >= target) {
+        return Verdict::Done;
+    }
+    let lag = s.map(lag_text).unwrap_or_default();
+    if paused {
+        // Only a transaction waiting in the slot makes it behind.
+        let req = PendingRequest {
+            from: from.clone(),
+            upto: target,
+        };
+        return match c
+            .post::<_, PendingResponse>(to_api, "/v1/pending", &req, None)
+            .await
+        {
+            Ok(PendingResponse {
+                first_commit_ts: None,
+            }) => Verdict::Done,
+            Ok(PendingResponse {
+                first_commit_ts: Some(ts),
+            }) => Verdict::Stuck(format!(
+                "paused with changes waiting (first committed {}; {lag}); resume it, or pass --ignore-paused",
+                ts.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+            )),
+            Err(e) => Verdict::Behind(format!("paused; cannot tell what waits: {e}")),
+        };
+    }
+    let Some(s) = s else {
+        return Verdict::Behind("no stream".into());
+    };
+    if s.state == StreamState::Error && s.error_kind == Some(ErrorKind::Definite) {
+        return Verdict::Stuck(format!(
+            "error ({lag}): {}",
+            s.last_error.as_deref().unwrap_or("(no message)")
+        ));
+    }
+    match processed {
+        Some(p) => Verdict::Behind(format!("processed {p} of {target}")),
+        None => Verdict::Behind(format!("nothing processed yet, need {target}")),
+    }
+}
+
+fn lag_text(s: &StreamStatus) -> String {
+    match (s.lag_bytes, s.lag_seconds) {
+        (Some(b), Some(t)) => format!("lag {b} bytes, {t:.1} s"),
+        (Some(b), None) => format!("lag {b} bytes"),
+        _ => "lag unknown".into(),
     }
 }
 

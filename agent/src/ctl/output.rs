@@ -61,6 +61,15 @@ pub struct PairView {
     /// Bytes of in-progress transactions received before their commit.
     pub streamed_bytes: Option<u64>,
     pub last_error: Option<String>,
+    /// `transient` (retried until it passes) or `definite` (needs an operator).
+    #[serde(default)]
+    pub error_kind: Option<mm_proto::api::ErrorKind>,
+    /// Commit LSN of the transaction the stream is stopped at (for `mmctl skip`).
+    #[serde(default)]
+    pub stuck_lsn: Option<Lsn>,
+    /// The publisher's WAL position lag is measured against.
+    #[serde(default)]
+    pub publisher_lsn: Option<Lsn>,
 }
 
 /// Longest last error shown in the table; `--json` has the whole text.
@@ -138,6 +147,29 @@ pub fn render_status(s: &ClusterStatus) -> String {
         }
         let _ = writeln!(out, "\nStreams");
         out.push_str(&pairs.render());
+        // The table cuts errors short; what `mmctl skip` needs is here whole.
+        let failing: Vec<&PairView> = s.pairs.iter().filter(|p| p.state == "error").collect();
+        if !failing.is_empty() {
+            let _ = writeln!(out, "\nStreams in error");
+            for p in failing {
+                let kind = match p.error_kind {
+                    Some(mm_proto::api::ErrorKind::Transient) => " (transient: retrying)",
+                    Some(mm_proto::api::ErrorKind::Definite) => " (needs an operator)",
+                    None => "",
+                };
+                let _ = writeln!(out, "{} → {}{kind}:", p.from, p.to);
+                for line in wrap(p.last_error.as_deref().unwrap_or("(no message)"), 100) {
+                    let _ = writeln!(out, "    {line}");
+                }
+                if let Some(lsn) = p.stuck_lsn {
+                    let _ = writeln!(
+                        out,
+                        "    to skip that transaction: mmctl --agent <{}'s agent> skip --from {} --lsn {lsn}",
+                        p.to, p.from
+                    );
+                }
+            }
+        }
     }
     let mut by_type = Table::new(&["FROM → TO", "CONFLICTS BY TYPE"]);
     let mut any = false;
@@ -235,8 +267,34 @@ pub fn render_conflicts(r: &ClusterConflictsResponse) -> String {
 }
 
 /// `2026-01-02T03:04:05.123456Z` as `2026-01-02 03:04:05.123456` (UTC).
+/// RFC 3339 as "YYYY-MM-DD HH:MM:SS.ffffff+00": readable, and still saying
+/// which time zone it is in.
 fn human_ts(ts: &str) -> String {
-    ts.trim_end_matches('Z').replacen('T', " ", 1)
+    let t = ts.replacen('T', " ", 1);
+    match t.strip_suffix('Z') {
+        Some(base) => format!("{base}+00"),
+        None => t,
+    }
+}
+
+/// Words of `s` (made one line) in lines of at most `width` characters; a
+/// longer word gets a line of its own.
+fn wrap(s: &str, width: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut cur = String::new();
+    for w in s.split_whitespace() {
+        if !cur.is_empty() && cur.chars().count() + 1 + w.chars().count() > width {
+            lines.push(std::mem::take(&mut cur));
+        }
+        if !cur.is_empty() {
+            cur.push(' ');
+        }
+        cur.push_str(w);
+    }
+    if !cur.is_empty() {
+        lines.push(cur);
+    }
+    lines
 }
 
 /// Shortens to `max` characters (not bytes), marking the cut; one line.

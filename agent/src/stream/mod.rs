@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use mm_proto::Lsn;
-use mm_proto::api::StreamState;
+use mm_proto::api::{ErrorKind, StreamState};
 use mm_proto::client::{ReplicationClient, ReplicationConfig, SnapshotAction};
 use mm_proto::pgoutput::{Begin, Message, StreamTracker};
 use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
@@ -94,6 +94,61 @@ pub enum StreamError {
     Closed { peer: String },
 }
 
+impl StreamError {
+    /// Transient errors pass by themselves (the stream retries); definite
+    /// ones repeat on the same transaction until an operator acts. Decides
+    /// whether `wait-sync` keeps waiting or fails at once.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StreamError::Apply { failure, .. } => failure_kind(failure),
+            // Opening the apply session or reading local positions: the local
+            // node is down or restarting, unless PostgreSQL named a definite
+            // problem.
+            StreamError::Local { failure, .. } if failure.sqlstate.is_none() => {
+                ErrorKind::Transient
+            }
+            StreamError::Local { failure, .. } => failure_kind(failure),
+            StreamError::Protocol { .. } => ErrorKind::Definite,
+            StreamError::Replication { .. }
+            | StreamError::Spool { .. }
+            | StreamError::Closed { .. } => ErrorKind::Transient,
+        }
+    }
+
+    /// The remote transaction the stream is stopped at (commit LSN and
+    /// timestamp), when a definite error names one.
+    pub fn stuck_at(&self) -> Option<(Lsn, Option<chrono::DateTime<chrono::Utc>>)> {
+        match self {
+            StreamError::Apply { lsn, failure, .. } if self.kind() == ErrorKind::Definite => {
+                Some((*lsn, failure.txn.and_then(|t| t.commit_ts.to_datetime())))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// SQLSTATE classes that pass by themselves: connection exceptions (08),
+/// transaction rollbacks such as deadlocks (40), insufficient resources
+/// (53), operator intervention such as a shutdown (57), system errors (58)
+/// and lock timeouts (55P03). No SQLSTATE and "local PostgreSQL:" means the
+/// connection itself failed.
+fn failure_kind(f: &ApplyFailure) -> ErrorKind {
+    match f.sqlstate.as_deref() {
+        Some(code)
+            if ["08", "40", "53", "57", "58"]
+                .iter()
+                .any(|c| code.starts_with(c)) =>
+        {
+            ErrorKind::Transient
+        }
+        // Lock timeout; MM002: a row an update needs may still arrive
+        // from its origin through another node (apply/careful.rs).
+        Some("55P03" | "MM002") => ErrorKind::Transient,
+        None if f.message.starts_with("local PostgreSQL:") => ErrorKind::Transient,
+        _ => ErrorKind::Definite,
+    }
+}
+
 /// Per-stream progress, mirrored into the status registry.
 struct Progress {
     /// Highest publisher WAL position seen (data or keepalive).
@@ -141,6 +196,12 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     )
     .await
     .map_err(local_err)?;
+
+    let (txns, conflicts) = applier.stored_counters().await.map_err(local_err)?;
+    status.update(&peer.name, |s| {
+        s.applied_txns = txns;
+        s.conflicts = conflicts;
+    });
 
     let mut cfg = ReplicationConfig::from_dsn(&peer.peer_dsn)
         .map_err(repl_err)?
@@ -213,7 +274,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 let idle = current.is_none();
                 send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
                 finished(&mut applier, local, &pname, &mut progress);
-                publish(status, &peer.name, &progress, current.is_none());
+                publish(status, &peer.name, &progress);
                 continue;
             }
         };
@@ -494,17 +555,15 @@ fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done:
     let meta = &done.meta;
     progress.applied = progress.applied.max(meta.end_lsn);
     progress.processed = progress.processed.max(meta.end_lsn);
-    let lag = meta
-        .commit_ts
-        .to_datetime()
-        .map(|t| (chrono::Utc::now() - t).num_milliseconds().max(0) as f64 / 1000.0);
     status.update(peer, |s| {
         s.applied_txns += 1;
         s.applied_rows += done.rows;
         s.applied_lsn = Some(progress.applied);
         s.processed_lsn = Some(progress.processed);
         s.received_lsn = Some(progress.received);
-        s.lag_seconds = lag;
+        // Moving again: whatever stopped it is over.
+        s.stuck_lsn = None;
+        s.stuck_commit_ts = None;
         s.routine += done.routine;
         for (ty, _) in &done.conflicts {
             *s.conflicts.entry((*ty).to_owned()).or_default() += 1;
@@ -513,17 +572,13 @@ fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done:
     debug!(rows = done.rows, end = %meta.end_lsn, "applied");
 }
 
-fn publish(status: &StatusRegistry, peer: &str, p: &Progress, idle: bool) {
+/// Positions only: lag is measured by `lag.rs`, in every state.
+fn publish(status: &StatusRegistry, peer: &str, p: &Progress) {
     status.update(peer, |s| {
         s.state = StreamState::Streaming;
         s.received_lsn = Some(p.received);
         s.processed_lsn = Some(p.processed);
         s.applied_lsn = Some(p.applied);
-        s.lag_bytes = Some(p.received.0.saturating_sub(p.processed.0));
-        // While behind, lag_seconds keeps the apply delay of the last commit.
-        if idle && p.processed >= p.received {
-            s.lag_seconds = Some(0.0);
-        }
     });
 }
 

@@ -52,9 +52,14 @@ pub fn spawn_stream(local: LocalNode, peer: Peer) -> StreamHandle {
             if let Err(e) = result {
                 error!(from = %p.name, to = %local.name, error = %e, "stream stopped");
                 let msg = e.to_string();
+                let kind = e.kind();
+                let stuck = e.stuck_at();
                 status.update(&p.name, |s| {
                     s.state = StreamState::Error;
                     s.last_error = Some(msg);
+                    s.error_kind = Some(kind);
+                    s.stuck_lsn = stuck.map(|(l, _)| l);
+                    s.stuck_commit_ts = stuck.and_then(|(_, t)| t);
                     s.restarts += 1;
                 });
             }
