@@ -11,6 +11,7 @@ use crate::apply::sql::quote_ident;
 const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("sql/0001_base.sql")),
     (2, include_str!("sql/0002_counters.sql")),
+    (3, include_str!("sql/0003_truncates.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

@@ -979,7 +979,8 @@ impl Applier {
         rows: Vec<Insert>,
     ) -> Result<(), ApplyFailure> {
         let width = self.rel(oid)?.local_names.len();
-        if rows.len() < INSERT_BATCH || width * INSERT_BATCH > MAX_PARAMS {
+        if rows.len() < INSERT_BATCH || width * INSERT_BATCH + sql::INSERT_EXTRA_PARAMS > MAX_PARAMS
+        {
             for ins in rows {
                 self.insert(pipe, txn, ins, None).await?;
             }
@@ -991,6 +992,7 @@ impl Applier {
         for ins in &rows {
             params.extend(tuple_params(&ins.new, rel, None)?);
         }
+        params.push(Param::timestamptz(txn.commit_ts.0));
         let stmt = match &rel.insert_batch {
             Some(s) => s.clone(),
             None => {
@@ -1023,6 +1025,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
         let mut params = tuple_params(&ins.new, rel, None)?;
+        params.push(Param::timestamptz(txn.commit_ts.0));
         let display = Arc::clone(&rel.display);
         let commit = commit_at(&mut params, progress);
         let slot = usize::from(commit != Commit::Later);
@@ -1131,24 +1134,45 @@ impl Applier {
         txn: TxnMeta,
         t: Truncate,
     ) -> Result<(), ApplyFailure> {
-        let mut tables = Vec::with_capacity(t.relation_oids.len());
-        for oid in &t.relation_oids {
-            tables.push(self.rel(*oid)?.table_sql.clone());
-        }
-        let display: Arc<str> = Arc::from(tables.join(", ").as_str());
-        let text = sql::truncate(&tables, t.cascade, t.restart_identity);
-        let stmt = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+        let (display, params) = self.truncate_params(&txn, &t)?;
+        let stmt = Self::prepare_settled(pipe, &self.client, &display, sql::APPLY_TRUNCATE).await?;
         push_row(
             0,
             pipe,
             &stmt,
-            Vec::new(),
+            params,
             OpKind::Truncate,
             display,
             txn,
             Commit::Later,
         )
         .await
+    }
+
+    /// The tables of a TRUNCATE (shown as one relation) and the parameters
+    /// of `sql::APPLY_TRUNCATE`: the truncate wins over every older row on
+    /// every node and loses to newer ones.
+    pub(super) fn truncate_params(
+        &self,
+        txn: &TxnMeta,
+        t: &Truncate,
+    ) -> Result<(Arc<str>, Vec<Param>), ApplyFailure> {
+        let mut names = Vec::with_capacity(t.relation_oids.len());
+        let mut oids = Vec::with_capacity(t.relation_oids.len());
+        for oid in &t.relation_oids {
+            let rel = self.rel(*oid)?;
+            names.push(rel.display.to_string());
+            oids.push(rel.relid);
+        }
+        Ok((
+            Arc::from(names.join(", ").as_str()),
+            vec![
+                Param::oid_array(&oids),
+                Param::timestamptz(txn.commit_ts.0),
+                Param::text(t.cascade.to_string()),
+                Param::text(t.restart_identity.to_string()),
+            ],
+        ))
     }
 }
 

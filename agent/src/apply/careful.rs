@@ -13,7 +13,9 @@
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use mm_proto::pgoutput::{ColumnValue, Delete, Insert, KeyValue, Message, OldTuple, Update};
+use mm_proto::pgoutput::{
+    ColumnValue, Delete, Insert, KeyValue, Message, OldTuple, TupleData, Update,
+};
 use serde_json::Value;
 use tokio_postgres::types::ToSql;
 
@@ -72,12 +74,11 @@ impl Applier {
                     Message::Update(u) => self.careful_update(meta, u, &mut out).await?,
                     Message::Delete(d) => self.careful_delete(meta, d, &mut out).await?,
                     Message::Truncate(t) => {
-                        let mut tables = Vec::new();
-                        for oid in &t.relation_oids {
-                            tables.push(self.rel(*oid)?.table_sql.clone());
-                        }
-                        let text = sql::truncate(&tables, t.cascade, t.restart_identity);
-                        self.client.batch_execute(&text).await.map_err(pg)?;
+                        let (_, params) = self.truncate_params(meta, &t)?;
+                        self.client
+                            .execute(sql::APPLY_TRUNCATE, &params_ref(&params))
+                            .await
+                            .map_err(pg)?;
                     }
                     Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
                     other => {
@@ -228,6 +229,69 @@ impl Applier {
             ts: r.try_get(1).map_err(|e| fail(rel, e.to_string()))?,
             this_txn: false,
         }))
+    }
+
+    /// The table's truncate version, if it was ever truncated.
+    async fn fetch_truncate(&self, rel: &LocalRelation) -> Result<Option<Version>, ApplyFailure> {
+        let rows = self
+            .client
+            .query(&sql::truncate_lookup(rel.relid), &[])
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+        let Some(r) = rows.first() else {
+            return Ok(None);
+        };
+        Ok(Some(Version {
+            ctid: None,
+            row: None,
+            roident: r.try_get(0).map_err(|e| fail(rel, e.to_string()))?,
+            ts: r.try_get(1).map_err(|e| fail(rel, e.to_string()))?,
+            this_txn: false,
+        }))
+    }
+
+    /// A change older than (or as old as) the last TRUNCATE of its table is
+    /// discarded, whatever the resolver: the truncate wins over every older
+    /// change from any origin, on every node (and `mm.apply_truncate` keeps
+    /// rows newer than it), so all nodes end alike. Logged like a change
+    /// meeting a tombstone. True when the change was discarded.
+    #[allow(clippy::too_many_arguments)]
+    async fn discard_if_truncated(
+        &mut self,
+        meta: &TxnMeta,
+        oid: u32,
+        kind: ConflictType,
+        remote_old: Option<&OldTuple>,
+        remote_new: Option<&TupleData>,
+        out: &mut Outcome,
+    ) -> Result<bool, ApplyFailure> {
+        let rel = self.rel(oid)?;
+        let Some(tr) = self.fetch_truncate(rel).await? else {
+            return Ok(false);
+        };
+        let older = match tr.ts {
+            Some(ts) => remote_ts(meta) <= ts && !tr.this_txn,
+            None => false,
+        };
+        if !older {
+            return Ok(false);
+        }
+        let old_json = match remote_old {
+            Some(o) => Some(self.old_json(rel, o).await?),
+            None => None,
+        };
+        let new_json = match remote_new {
+            Some(n) => Some(self.tuple_json(rel, &n.columns, |_| true).await?),
+            None => None,
+        };
+        let key = old_json
+            .as_ref()
+            .or(new_json.as_ref())
+            .and_then(|v| key_of(rel, v));
+        let c = self.conflict(kind, rel, meta, Some(&tr), old_json, new_json);
+        self.log_conflict(rel, meta, &c, key, "keep_local", out)
+            .await?;
+        Ok(true)
     }
 
     async fn write_tombstone(
@@ -452,6 +516,19 @@ impl Applier {
         ins: Insert,
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
+        if self
+            .discard_if_truncated(
+                meta,
+                ins.relation_oid,
+                ConflictType::InsertExists,
+                None,
+                Some(&ins.new),
+                out,
+            )
+            .await?
+        {
+            return Ok(());
+        }
         let rel = self.rel(ins.relation_oid)?;
         let params = tuple_params(&ins.new, rel, None)?;
         let key_params: Vec<Param> = rel.key_remote.iter().map(|&i| params[i].clone()).collect();
@@ -595,6 +672,20 @@ impl Applier {
         let key = key_of(rel, remote_old.as_ref().unwrap_or(&remote_new));
         let rts = remote_ts(meta);
         let Some(t) = target else {
+            if self
+                .discard_if_truncated(
+                    meta,
+                    upd.relation_oid,
+                    ConflictType::UpdateDeleted,
+                    upd.old.as_ref(),
+                    Some(&upd.new),
+                    out,
+                )
+                .await?
+            {
+                return Ok(());
+            }
+            let rel = self.rel(upd.relation_oid)?;
             // The row is gone here: deleted (tombstone) or never arrived.
             let key_params: Vec<Param> = match &rel.locator {
                 Locator::Key(_) => loc_params.clone(),
@@ -717,6 +808,20 @@ impl Applier {
             }
             out.rows += 1;
             self.note_routine(&t);
+            return Ok(());
+        }
+        if target.is_none()
+            && self
+                .discard_if_truncated(
+                    meta,
+                    del.relation_oid,
+                    ConflictType::DeleteMissing,
+                    Some(&del.old),
+                    None,
+                    out,
+                )
+                .await?
+        {
             return Ok(());
         }
         let rel = self.rel(del.relation_oid)?;

@@ -89,24 +89,6 @@ pub fn insert(table: &str, cols: &[&str]) -> String {
     s
 }
 
-/// `INSERT INTO t (c1, c2) VALUES ($1, $2), ($3, $4), ...` for `rows` rows.
-pub fn insert_rows(table: &str, cols: &[&str], rows: usize) -> String {
-    let mut s = insert(table, cols);
-    let mut n = cols.len();
-    for _ in 1..rows {
-        s.push_str(", (");
-        for i in 0..cols.len() {
-            if i > 0 {
-                s.push_str(", ");
-            }
-            n += 1;
-            let _ = write!(s, "${n}");
-        }
-        s.push(')');
-    }
-    s
-}
-
 /// `UPDATE t SET c1 = $1 ... WHERE <locator>`; SET params come first.
 pub fn update(table: &str, set_cols: &[&str], loc: &Locator) -> String {
     let mut s = format!("UPDATE {table} SET ");
@@ -124,18 +106,6 @@ pub fn update(table: &str, set_cols: &[&str], loc: &Locator) -> String {
 pub fn delete(table: &str, loc: &Locator) -> String {
     let mut s = format!("DELETE FROM {table}");
     where_clause(table, loc, 1, &mut s);
-    s
-}
-
-/// `TRUNCATE t1, t2 [RESTART IDENTITY] [CASCADE]`.
-pub fn truncate(tables: &[String], cascade: bool, restart_identity: bool) -> String {
-    let mut s = format!("TRUNCATE {}", tables.join(", "));
-    if restart_identity {
-        s.push_str(" RESTART IDENTITY");
-    }
-    if cascade {
-        s.push_str(" CASCADE");
-    }
     s
 }
 
@@ -173,11 +143,12 @@ pub fn quote_literal(s: &str) -> String {
 }
 
 /// Fast-path INSERT of `rows` rows. A taken key fails it with a unique
-/// violation; a tombstoned key raises `MM001` (`mm.conflict()`); either way
-/// the transaction is redone with the resolver. The tombstone lookup per row
-/// only runs when the table has tombstones at all (an InitPlan, once per
-/// statement). `types` are the local column types: VALUES needs them to type
-/// its params.
+/// violation; a tombstoned key, or a truncate of the table at or after the
+/// remote commit timestamp (param `$rows*cols+1`), raises `MM001`
+/// (`mm.conflict()`); either way the transaction is redone with the
+/// resolver. The per-row tombstone lookup only runs when the table has
+/// tombstones at all, and the truncate check once per statement (InitPlans).
+/// `types` are the local column types: VALUES needs them to type its params.
 pub fn fast_insert(
     table: &str,
     cols: &[&str],
@@ -186,13 +157,6 @@ pub fn fast_insert(
     relid: u32,
     key_cols: Option<&[&str]>,
 ) -> String {
-    let Some(keys) = key_cols else {
-        return if rows == 1 {
-            insert(table, cols)
-        } else {
-            insert_rows(table, cols, rows)
-        };
-    };
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
     let mut s =
@@ -212,14 +176,40 @@ pub fn fast_insert(
         }
         s.push(')');
     }
-    let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
     let _ = write!(
         s,
-        ") v ({names}) WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid}) \
-         OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
-         THEN true ELSE mm.conflict() END"
+        ") v ({names}) WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = {relid} \
+         AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= ${}::timestamptz) THEN true ELSE mm.conflict() END",
+        n + 1
     );
+    if let Some(keys) = key_cols {
+        let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
+        let _ = write!(
+            s,
+            " AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid}) \
+             OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
+             THEN true ELSE mm.conflict() END"
+        );
+    }
     s
+}
+
+/// Parameters after a fast-path INSERT's row values: the remote commit
+/// timestamp its truncate check compares against.
+pub const INSERT_EXTRA_PARAMS: usize = 1;
+
+/// A remote TRUNCATE: `mm.apply_truncate(oids, remote commit ts, cascade,
+/// restart identity)` (schema functions.sql).
+pub const APPLY_TRUNCATE: &str =
+    "SELECT mm.apply_truncate($1::oid[], $2::timestamptz, $3::boolean, $4::boolean)";
+
+/// The truncate version of a table: (roident, commit timestamp).
+pub fn truncate_lookup(relid: u32) -> String {
+    format!(
+        "SELECT o.roident, o.\"timestamp\" FROM mm.truncates tr \
+         LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(tr.xmin) o ON true \
+         WHERE tr.relid = {relid}"
+    )
 }
 
 /// Parameters the progress call of a one-statement transaction takes
@@ -426,10 +416,6 @@ mod tests {
             insert(&t, &["id", "v"]),
             "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1, $2)"
         );
-        assert_eq!(
-            insert_rows(&t, &["id", "v"], 3),
-            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1, $2), ($3, $4), ($5, $6)"
-        );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
             update(&t, &["id", "v"], &key),
@@ -444,10 +430,6 @@ mod tests {
             delete(&t, &full),
             "DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 AND \"b\" IS NOT DISTINCT FROM $2 LIMIT 1 FOR UPDATE)"
         );
-        assert_eq!(
-            truncate(std::slice::from_ref(&t), true, true),
-            "TRUNCATE \"public\".\"acc\" RESTART IDENTITY CASCADE"
-        );
     }
 
     #[test]
@@ -457,14 +439,16 @@ mod tests {
         assert_eq!(
             ins,
             "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
-             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
+             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $5::timestamptz) THEN true ELSE mm.conflict() END \
+             AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
              THEN true ELSE mm.conflict() END"
         );
-        // Without a key there is nothing to tombstone: the plain statement.
+        // Without a key there is nothing to tombstone: the truncate check only.
         assert_eq!(
             fast_insert(&t, &["a"], &["text"], 1, 42, None),
-            insert(&t, &["a"])
+            "INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::text)) v (\"a\") \
+             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $2::timestamptz) THEN true ELSE mm.conflict() END"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(

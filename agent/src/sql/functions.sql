@@ -53,6 +53,17 @@ BEGIN
 END
 $fn$;
 
+-- Local truncates record the table's truncate version (mm.truncates); like
+-- the delete trigger, it does not fire in apply sessions.
+CREATE OR REPLACE FUNCTION mm.record_local_truncate() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+BEGIN
+  INSERT INTO mm.truncates (relid) VALUES (TG_RELID)
+  ON CONFLICT (relid) DO UPDATE SET relid = EXCLUDED.relid;
+  RETURN NULL;
+END
+$fn$;
+
 CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
 BEGIN
@@ -60,6 +71,49 @@ BEGIN
     EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
                    'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
   END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
+    EXECUTE format('CREATE TRIGGER mm_truncates AFTER TRUNCATE ON %s '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_truncate()', p_rel::regclass);
+  END IF;
+END
+$fn$;
+
+-- A remote TRUNCATE (commit timestamp p_ts) of the tables p_rels: it wins
+-- over every older row and loses to newer ones, on every node. Records the
+-- tables' truncate versions (never replacing a newer one); then, when no
+-- row of them is newer than the truncate, TRUNCATEs them as the publisher
+-- did; otherwise deletes just the older rows (no tombstones needed: the
+-- truncate version covers every key). Rows written by this same remote
+-- transaction (no commit timestamp yet) count as older: they came before
+-- the TRUNCATE in it.
+CREATE OR REPLACE FUNCTION mm.apply_truncate(
+    p_rels oid[], p_ts timestamptz, p_cascade boolean, p_restart boolean)
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+#variable_conflict use_variable
+DECLARE
+  r oid;
+  newer boolean := false;
+  found_newer boolean;
+BEGIN
+  FOREACH r IN ARRAY p_rels LOOP
+    INSERT INTO mm.truncates AS t (relid) VALUES (r)
+    ON CONFLICT (relid) DO UPDATE SET relid = EXCLUDED.relid
+     WHERE coalesce(pg_xact_commit_timestamp(t.xmin), '-infinity') <= p_ts;
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s WHERE pg_catalog.pg_xact_commit_timestamp(xmin) > $1)',
+                   r::regclass) INTO found_newer USING p_ts;
+    newer := newer OR found_newer;
+  END LOOP;
+  IF NOT newer THEN
+    EXECUTE format('TRUNCATE %s%s%s',
+                   (SELECT string_agg(x::regclass::text, ', ') FROM unnest(p_rels) x),
+                   CASE WHEN p_restart THEN ' RESTART IDENTITY' ELSE '' END,
+                   CASE WHEN p_cascade THEN ' CASCADE' ELSE '' END);
+    RETURN;
+  END IF;
+  FOREACH r IN ARRAY p_rels LOOP
+    EXECUTE format('DELETE FROM %s WHERE coalesce(pg_catalog.pg_xact_commit_timestamp(xmin), ''-infinity'') <= $1',
+                   r::regclass) USING p_ts;
+  END LOOP;
 END
 $fn$;
 
