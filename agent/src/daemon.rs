@@ -42,6 +42,12 @@ pub fn main(program: &'static str, about: &'static str, registry: ResolverRegist
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: journald, files and log shippers get
+        // plain text (NO_COLOR also turns it off).
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none(),
+        )
         .init();
     let cfg = match AgentConfig::load(config) {
         Ok(c) => c,

@@ -289,7 +289,25 @@ async fn hostile_identifiers_through_every_conflict_path() -> Result<()> {
         .await
         .with_context(|| format!("seed {seed}"))?;
     let r = run(&c, &ts, &mut rng).await;
-    r.with_context(|| format!("seed {seed}; schema:\n{schema}"))
+    r.with_context(|| format!("seed {seed}; schema:\n{schema}"))?;
+    // Conflicts leave no stray warnings in the server logs (a ROLLBACK sent
+    // with no transaction open did, once per conflict), and agent logs
+    // written to a file carry no terminal colour codes.
+    for (pg, agent) in c.pg.iter().zip(&c.agents) {
+        let log = std::fs::read_to_string(pg.log_path()).unwrap_or_default();
+        let n = log.matches("there is no transaction in progress").count();
+        ensure!(
+            n == 0,
+            "{}: {n} 'no transaction in progress' warnings",
+            pg.name()
+        );
+        ensure!(
+            !agent.log().contains('\u{1b}'),
+            "agent {} logs ANSI escape codes to a file",
+            agent.name
+        );
+    }
+    Ok(())
 }
 
 async fn run(c: &TestCluster, ts: &[Table], rng: &mut Rng) -> Result<()> {

@@ -172,6 +172,10 @@ pub struct Applier {
     /// sampled): once local WAL is flushed past the second, the first is durable.
     unflushed: VecDeque<(Lsn, Lsn)>,
     durable: Lsn,
+    /// A BEGIN was sent whose COMMIT was not: only then is there anything
+    /// to roll back (a ROLLBACK outside a transaction makes PostgreSQL log
+    /// a warning, once per conflict).
+    txn_open: bool,
 }
 
 pub(super) fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
@@ -325,6 +329,7 @@ impl Applier {
             last_applied: start,
             unflushed: VecDeque::new(),
             durable: Lsn::INVALID,
+            txn_open: false,
         };
         applier.load_origins().await?;
         if let Some(wm) = stored_wm
@@ -626,10 +631,12 @@ impl Applier {
         let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
         self.pipe = Some(pipe);
         // Whatever was left open (a transaction queued only in part).
-        self.client
-            .batch_execute("ROLLBACK")
-            .await
-            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        if std::mem::take(&mut self.txn_open) {
+            self.client
+                .batch_execute("ROLLBACK")
+                .await
+                .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        }
         // The end of the last committed one is what the next one finds.
         self.next_expected = committed
             .last()
@@ -650,6 +657,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
         let control = |kind| control_op(kind, txn);
+        self.txn_open = true;
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
         if self.skips.contains(&meta.commit_lsn) {
@@ -760,6 +768,9 @@ impl Applier {
             control(OpKind::Control),
         )
         .await?;
+        // Sent, the COMMIT ends the transaction either way (an aborted one
+        // rolls back).
+        self.txn_open = false;
         pipe.push(&self.commit.clone(), Vec::new(), control(OpKind::Commit))
             .await
     }

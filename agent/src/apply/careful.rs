@@ -101,6 +101,8 @@ impl Applier {
         }
         .await;
         if let Err(mut f) = r {
+            // BEGIN went through: end the aborted transaction here.
+            let _ = self.client.batch_execute("ROLLBACK").await;
             f.txn = Some(*meta);
             f.conflict = false;
             return Err(f);
