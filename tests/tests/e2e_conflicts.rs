@@ -737,6 +737,120 @@ async fn lww_update_exists() -> Result<()> {
     .await
 }
 
+/// Two rows moved onto one unique value at once: A sets row 21's email to
+/// 'K', slightly later B sets row 23's. Where B's (later) change arrives the
+/// colliding row 21 gives way; where A's (older) one arrives it loses, and
+/// the row it moved (21) is deleted too, so every node keeps only row 23.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_two_rows_moved_onto_one_unique_value() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lmv1", "lmv2"], U_SCHEMA, Res::Lww).await?;
+    seed(
+        &c,
+        "INSERT INTO u VALUES (21, 'e21', 'init'), (22, 'e22', 'init'), (23, 'e23', 'init')",
+    )
+    .await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "UPDATE u SET email = 'K', v = 'a' WHERE id = 21").await?;
+    let wb = write(&c, 1, "UPDATE u SET email = 'K', v = 'b' WHERE id = 23").await?;
+    resume_both_and_sync(&c).await?;
+    let want: &[&[&str]] = &[&["22", "e22", "init"], &["23", "K", "b"]];
+    assert_rows(&c, 0, DUMP_U, want).await?;
+    assert_rows(&c, 1, DUMP_U, want).await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_exists",
+            "public.u",
+            r#"{"id": 23}"#,
+            Some(&wa),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_exists",
+            "public.u",
+            r#"{"id": 21}"#,
+            Some(&wb),
+            &wa,
+            "deleted",
+        )],
+    )
+    .await
+}
+
+/// The same with primary keys: A changes key 4 to 6, slightly later B
+/// changes key 5 to 6. Every node ends with B's row 6 only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_two_keys_moved_onto_one_key() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lmk1", "lmk2", "lmk3"], T_SCHEMA, Res::Lww).await?;
+    seed(
+        &c,
+        "INSERT INTO t VALUES (4, 'four'), (5, 'five'), (7, 'seven')",
+    )
+    .await?;
+    for (from, to) in [
+        ("lmk1", "lmk2"),
+        ("lmk2", "lmk1"),
+        ("lmk1", "lmk3"),
+        ("lmk2", "lmk3"),
+    ] {
+        c.pause(from, to).await?;
+    }
+    let wa = write(&c, 0, "UPDATE t SET id = 6, v = 'a' WHERE id = 4").await?;
+    let wb = write(&c, 1, "UPDATE t SET id = 6, v = 'b' WHERE id = 5").await?;
+    // The third node gets the older change first.
+    c.resume("lmk1", "lmk3").await?;
+    c.wait_for(
+        2,
+        "SELECT v FROM t WHERE id = 6",
+        "a",
+        Duration::from_secs(30),
+    )
+    .await?;
+    for (from, to) in [("lmk1", "lmk2"), ("lmk2", "lmk1"), ("lmk2", "lmk3")] {
+        c.resume(from, to).await?;
+    }
+    c.wait_sync(90).await?;
+    let want: &[&[&str]] = &[&["6", "b"], &["7", "seven"]];
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_T, want).await?;
+    }
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_exists",
+            "public.t",
+            r#"{"id": 5}"#,
+            Some(&wa),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    assert_log(
+        &c,
+        1,
+        vec![logged(
+            "update_exists",
+            "public.t",
+            r#"{"id": 4}"#,
+            Some(&wb),
+            &wa,
+            "deleted",
+        )],
+    )
+    .await
+}
+
 /// A's insert (1, 'e2') meets B's rows (1, 'e1') and (2, 'e2'): on B it
 /// collides with row 1 by the primary key and row 2 by the unique column.
 /// `a_first`: A's insert is the older one and loses; else it wins.

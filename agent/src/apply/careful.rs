@@ -764,12 +764,30 @@ impl Applier {
         let rel = self.rel(upd.relation_oid)?;
         let c = self.conflict(kind, rel, meta, Some(local), remote_old, Some(remote_new));
         let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
-        let label = resolution_label(&res, true);
+        let mut label = resolution_label(&res, true);
         let others: Vec<&Version> = collisions.iter().collect();
         match &res {
             Resolution::ApplyRemote => {
                 self.delete_versions(rel, &others).await?;
                 out.rows += self.exec(rel, &plain_update, &update_params).await?;
+            }
+            // Two rows moved onto one unique value at once: where the
+            // incoming change wins, the colliding row gives way (deleted,
+            // above); where it loses, the row it moved must go too, or that
+            // node would keep a row the other no longer has. Every node then
+            // keeps only the winner (docs/ARCHITECTURE.md, conflict table).
+            Resolution::KeepLocal if kind != ConflictType::UpdateOriginDiffers => {
+                self.delete_versions(rel, &[&t]).await?;
+                label = "deleted";
+                let shown = key
+                    .as_ref()
+                    .map_or_else(|| "?".to_owned(), |k| k.to_string());
+                tracing::info!(
+                    relation = %rel.display,
+                    key = %shown,
+                    conflict = kind.as_str(),
+                    "the incoming update lost on a unique value another row now holds: deleted the row it moved, as every node does"
+                );
             }
             Resolution::KeepLocal => {}
             Resolution::Row(v) => {
