@@ -176,6 +176,9 @@ pub struct Applier {
     /// to roll back (a ROLLBACK outside a transaction makes PostgreSQL log
     /// a warning, once per conflict).
     txn_open: bool,
+    /// Orphan checks of the transaction being queued, run before its
+    /// progress and commit (`fk.rs`).
+    fk_pending: Vec<super::fk::FkCheck>,
 }
 
 pub(super) fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
@@ -330,6 +333,7 @@ impl Applier {
             unflushed: VecDeque::new(),
             durable: Lsn::INVALID,
             txn_open: false,
+            fk_pending: Vec::new(),
         };
         applier.load_origins().await?;
         if let Some(wm) = stored_wm
@@ -551,9 +555,11 @@ impl Applier {
     async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
         let mut pipe = self.take_pipe()?;
         // A skipped transaction needs its audit row: never one statement.
+        // Tables in foreign keys need their orphan checks before the commit.
         let single = (!self.skips.contains(&meta.commit_lsn))
             .then(|| body.single_change())
-            .flatten();
+            .flatten()
+            .filter(|m| !self.in_foreign_key(m));
         let r = match single {
             Some(change) => self.queue_fused(&mut pipe, meta, change).await,
             None => match body.open() {
@@ -657,6 +663,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
         let control = |kind| control_op(kind, txn);
+        self.fk_pending.clear();
         self.txn_open = true;
         pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
             .await?;
@@ -695,8 +702,14 @@ impl Applier {
                     self.insert_batch(pipe, txn, oid, batch).await?;
                     continue;
                 }
-                Message::Update(u) => self.update(pipe, txn, &guard, u, None).await?,
-                Message::Delete(d) => self.delete(pipe, txn, &guard, d, None).await?,
+                Message::Update(u) => {
+                    self.note_fk(u.relation_oid, Some(&u.new), u.old.as_ref())?;
+                    self.update(pipe, txn, &guard, u, None).await?
+                }
+                Message::Delete(d) => {
+                    self.note_fk(d.relation_oid, None, Some(&d.old))?;
+                    self.delete(pipe, txn, &guard, d, None).await?
+                }
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
                 // Types are described for binary mode; we bind text. Logical
                 // messages and origins carry nothing to apply here.
@@ -762,6 +775,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
         let control = |kind| control_op(kind, txn);
+        self.push_fk_checks(pipe, meta).await?;
         pipe.push(
             &self.advance.clone(),
             self.progress_params(meta).to_vec(),
@@ -773,6 +787,82 @@ impl Applier {
         self.txn_open = false;
         pipe.push(&self.commit.clone(), Vec::new(), control(OpKind::Commit))
             .await
+    }
+
+    fn note_fk(
+        &mut self,
+        oid: u32,
+        new: Option<&TupleData>,
+        old: Option<&OldTuple>,
+    ) -> Result<(), ApplyFailure> {
+        let rel = self.rel(oid)?;
+        if rel.fks.is_some() {
+            let checks = super::fk::checks(rel, new, old);
+            self.fk_pending.extend(checks);
+        }
+        Ok(())
+    }
+
+    /// The statement of an orphan check, prepared once per constraint.
+    pub(super) async fn fk_statement(
+        &mut self,
+        pipe: Option<&mut Pipeline>,
+        check: &super::fk::FkCheck,
+    ) -> Result<(Statement, Arc<str>), ApplyFailure> {
+        let rel = self.rel(check.oid)?;
+        let slot = (check.as_child, check.index);
+        let fks = rel
+            .fks
+            .clone()
+            .ok_or_else(|| ApplyFailure::new(Some(&*rel.display), "foreign keys vanished"))?;
+        let (fk, text) = if check.as_child {
+            let fk = &fks.as_child[check.index];
+            (fk, super::fk::child_check_sql(fk, &self.ctx.peer))
+        } else {
+            let fk = &fks.as_parent[check.index];
+            (fk, super::fk::parent_check_sql(fk, &self.ctx.peer))
+        };
+        let child: Arc<str> = Arc::from(fk.child_display.as_str());
+        if let Some(s) = rel.fk_stmts.get(&slot) {
+            return Ok((s.clone(), child));
+        }
+        let display = Arc::clone(&rel.display);
+        let stmt = match pipe {
+            Some(p) => Self::prepare_settled(p, &self.client, &display, &text).await?,
+            None => Self::prepare(&self.client, &display, &text).await?,
+        };
+        self.rel_mut(check.oid)?.fk_stmts.insert(slot, stmt.clone());
+        Ok((stmt, child))
+    }
+
+    /// Queues the transaction's orphan checks (after all its changes, so a
+    /// parent inserted later in it counts).
+    async fn push_fk_checks(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        for check in std::mem::take(&mut self.fk_pending) {
+            let (stmt, child) = self.fk_statement(Some(pipe), &check).await?;
+            let mut params = vec![
+                Param::timestamptz(meta.commit_ts.0),
+                Param::text(meta.commit_lsn.to_string()),
+            ];
+            params.extend(check.params);
+            pipe.push(
+                &stmt,
+                params,
+                OpMeta {
+                    kind: OpKind::OrphanCheck,
+                    relation: Some(child),
+                    txn: *meta,
+                    rows: 0,
+                    commits: false,
+                },
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// `mmctl skip`: the transaction's changes are not applied; its progress
@@ -936,6 +1026,16 @@ impl Applier {
         done
     }
 
+    fn in_foreign_key(&self, m: &Message) -> bool {
+        let oid = match m {
+            Message::Insert(i) => i.relation_oid,
+            Message::Update(u) => u.relation_oid,
+            Message::Delete(d) => d.relation_oid,
+            _ => return false,
+        };
+        self.relations.get(&oid).is_some_and(|r| r.fks.is_some())
+    }
+
     pub(super) fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {
         self.relations.get(&oid).ok_or_else(|| {
             ApplyFailure::new(
@@ -989,6 +1089,16 @@ impl Applier {
         oid: u32,
         rows: Vec<Insert>,
     ) -> Result<(), ApplyFailure> {
+        {
+            let rel = self.rel(oid)?;
+            if rel.fks.is_some() {
+                let checks: Vec<_> = rows
+                    .iter()
+                    .flat_map(|i| super::fk::checks(rel, Some(&i.new), None))
+                    .collect();
+                self.fk_pending.extend(checks);
+            }
+        }
         let width = self.rel(oid)?.local_names.len();
         if rows.len() < INSERT_BATCH || width * INSERT_BATCH + sql::INSERT_EXTRA_PARAMS > MAX_PARAMS
         {

@@ -67,7 +67,14 @@ impl Applier {
         self.client.batch_execute("BEGIN").await.map_err(pg)?;
         let mut out = Outcome::default();
         let r = async {
+            let mut fk_checks = Vec::new();
             while let Some(msg) = src.next_message()? {
+                if let Message::Insert(Insert { relation_oid, .. })
+                | Message::Update(Update { relation_oid, .. })
+                | Message::Delete(Delete { relation_oid, .. }) = &msg
+                {
+                    fk_checks.extend(super::fk::checks_for(self.rel(*relation_oid)?, &msg));
+                }
                 match msg {
                     Message::Relation(r) => self.relation(r).await?,
                     Message::Insert(i) => self.careful_insert(meta, i, &mut out).await?,
@@ -87,6 +94,26 @@ impl Applier {
                             format!("unexpected message inside a transaction: {}", other.name()),
                         ));
                     }
+                }
+            }
+            for check in fk_checks {
+                let (stmt, child) = self.fk_statement(None, &check).await?;
+                let mut params = vec![
+                    Param::timestamptz(meta.commit_ts.0),
+                    Param::text(meta.commit_lsn.to_string()),
+                ];
+                params.extend(check.params);
+                let n = self
+                    .client
+                    .execute(&stmt, &params_ref(&params))
+                    .await
+                    .map_err(|e| ApplyFailure::from_pg(Some(&child), &e))?;
+                if n > 0 {
+                    tracing::warn!(relation = %child, orphans = n, commit_lsn = %meta.commit_lsn,
+                        "foreign key orphan: a row references a parent row that is gone (concurrent insert and delete on two nodes); kept, logged in mm.conflict_log as foreign_key_orphan");
+                }
+                for _ in 0..n {
+                    out.conflicts.push((super::fk::ORPHAN, Arc::clone(&child)));
                 }
             }
             self.client

@@ -21,6 +21,7 @@
 
 mod applier;
 mod careful;
+mod fk;
 mod param;
 mod pipeline;
 mod relation;

@@ -33,6 +33,8 @@ pub enum OpKind {
     Update,
     Delete,
     Truncate,
+    /// An orphan check (`fk.rs`): its row count is the orphans it logged.
+    OrphanCheck,
     /// The transaction's COMMIT: when it succeeds, the transaction is done.
     Commit,
 }
@@ -74,6 +76,8 @@ pub struct Pipeline {
     count: usize,
     window: usize,
     rows: u64,
+    /// Orphans logged by the transaction being settled, by relation.
+    orphans: Vec<(&'static str, Arc<str>)>,
     pub done: VecDeque<Done>,
 }
 
@@ -85,6 +89,7 @@ impl Pipeline {
             count: 0,
             window,
             rows: 0,
+            orphans: Vec::new(),
             done: VecDeque::new(),
         }
     }
@@ -134,6 +139,21 @@ impl Pipeline {
                 break;
             };
             match res {
+                Ok(n) if meta.kind == OpKind::OrphanCheck => {
+                    if n > 0
+                        && let Some(rel) = &meta.relation
+                    {
+                        tracing::warn!(
+                            relation = %rel,
+                            orphans = n,
+                            commit_lsn = %meta.txn.commit_lsn,
+                            "foreign key orphan: a row references a parent row that is gone (concurrent insert and delete on two nodes); kept, logged in mm.conflict_log as foreign_key_orphan"
+                        );
+                        for _ in 0..n {
+                            self.orphans.push((super::fk::ORPHAN, Arc::clone(rel)));
+                        }
+                    }
+                }
                 Ok(_) => {
                     // Fast-path row statements fail unless they change every
                     // row; success means they changed exactly `meta.rows`.
@@ -144,7 +164,7 @@ impl Pipeline {
                         self.done.push_back(Done {
                             meta: meta.txn,
                             rows: std::mem::take(&mut self.rows),
-                            conflicts: Vec::new(),
+                            conflicts: std::mem::take(&mut self.orphans),
                             routine: 0,
                         });
                     }
@@ -158,6 +178,7 @@ impl Pipeline {
                         matches!(meta.kind, OpKind::Insert | OpKind::Update | OpKind::Delete)
                             && matches!(f.sqlstate.as_deref(), Some("MM001" | "23505"));
                     self.rows = 0;
+                    self.orphans.clear();
                     return Err(f);
                 }
             }
@@ -176,5 +197,6 @@ impl Pipeline {
         while self.inflight.get_mut().next().await.is_some() {}
         self.count = 0;
         self.rows = 0;
+        self.orphans.clear();
     }
 }

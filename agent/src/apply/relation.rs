@@ -41,6 +41,11 @@ pub struct LocalRelation {
     /// updates leave it out of SET, since PostgreSQL refuses any explicit
     /// value there (and the publisher cannot have changed it by UPDATE either).
     pub always_identity: Vec<bool>,
+    /// The foreign keys the table takes part in (orphan checks, `fk.rs`);
+    /// None for most tables, which then pay nothing.
+    pub fks: Option<Arc<super::fk::ForeignKeys>>,
+    /// Prepared orphan checks, by (as child, constraint index).
+    pub fk_stmts: HashMap<(bool, usize), Statement>,
     /// Single-row INSERT: [inside a transaction, a whole transaction]
     /// (`sql::Commit`).
     pub insert: [Option<Statement>; 2],
@@ -216,6 +221,10 @@ impl LocalRelation {
             local_types,
             unique_indexes,
             always_identity,
+            fks: super::fk::ForeignKeys::load(client, oid)
+                .await
+                .map_err(|e| ApplyFailure::new(Some(&display), e.message))?,
+            fk_stmts: HashMap::new(),
             remote,
             insert: [None, None],
             insert_batch: None,
