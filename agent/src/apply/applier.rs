@@ -130,6 +130,11 @@ pub struct ApplyContext {
     /// The publisher's node name.
     pub peer: String,
     pub resolvers: Arc<TableResolvers>,
+    /// How to reach the publisher's PostgreSQL (its `peer_dsn`, this agent's
+    /// password): for the values of unchanged-TOAST columns a conflict
+    /// needs (`careful.rs`).
+    pub peer_dsn: String,
+    pub peer_password: Option<String>,
 }
 
 pub struct Applier {
@@ -179,6 +184,9 @@ pub struct Applier {
     /// Orphan checks of the transaction being queued, run before its
     /// progress and commit (`fk.rs`).
     fk_pending: Vec<super::fk::FkCheck>,
+    /// A connection to the publisher, opened when a conflict first needs
+    /// values it did not send.
+    pub(super) origin_client: Option<Client>,
 }
 
 pub(super) fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
@@ -334,6 +342,7 @@ impl Applier {
             durable: Lsn::INVALID,
             txn_open: false,
             fk_pending: Vec::new(),
+            origin_client: None,
         };
         applier.load_origins().await?;
         if let Some(wm) = stored_wm

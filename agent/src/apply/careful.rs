@@ -670,12 +670,150 @@ impl Applier {
         Ok(())
     }
 
+    /// The incoming row in full, for a conflicting update that left
+    /// TOASTed columns unchanged: their values are the publisher's row's,
+    /// which this node may not hold (its own version differs, or the row is
+    /// gone here). Read from the publisher by key, and used only if that row
+    /// is this change's version or newer (newer changes will arrive after
+    /// it and are applied on top).
+    async fn fetch_unchanged(
+        &mut self,
+        rel_oid: u32,
+        new: &TupleData,
+        rts: DateTime<Utc>,
+    ) -> Result<OriginRow, ApplyFailure> {
+        let rel = self.rel(rel_oid)?;
+        let Locator::Key(keys) = &rel.locator else {
+            return Ok(OriginRow::Unavailable(
+                "the table has no key to find the row on its origin by".into(),
+            ));
+        };
+        let missing: Vec<usize> = new
+            .columns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| matches!(c, ColumnValue::UnchangedToast))
+            .map(|(i, _)| i)
+            .collect();
+        let mut cols = String::new();
+        for &i in &missing {
+            cols.push_str(&format!(
+                "r.{}::text, ",
+                sql::quote_ident(&rel.local_names[i])
+            ));
+        }
+        let mut cond = String::new();
+        let mut params = Vec::new();
+        for (n, (&i, k)) in rel.key_remote.iter().zip(keys).enumerate() {
+            let Some(ColumnValue::Text(b)) = new.columns.get(i) else {
+                return Ok(OriginRow::Unavailable(format!("key column {k} not sent")));
+            };
+            params.push(Param::Text(b.clone()));
+            if n > 0 {
+                cond.push_str(" AND ");
+            }
+            cond.push_str(&format!(
+                "r.{} = ${}::{}",
+                sql::quote_ident(k),
+                n + 1,
+                rel.local_types[i]
+            ));
+        }
+        let text = format!(
+            "SELECT {cols}o.\"timestamp\" FROM {} AS r \
+             LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) o ON true WHERE {cond}",
+            rel.table_sql
+        );
+        let display = rel.display.to_string();
+        if self.origin_client.is_none() {
+            let c = crate::pg::connect(&self.ctx.peer_dsn, self.ctx.peer_password.as_deref())
+                .await
+                .map_err(|e| ApplyFailure {
+                    sqlstate: Some("MM002".into()),
+                    ..ApplyFailure::new(
+                        Some(&display),
+                        format!("reading unchanged TOAST values from {}: {e}", self.ctx.peer),
+                    )
+                })?;
+            self.origin_client = Some(c);
+        }
+        let Some(client) = self.origin_client.as_ref() else {
+            return Ok(OriginRow::Unavailable("no connection".into()));
+        };
+        let rows = match client.query(&text, &params_ref(&params)).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.origin_client = None;
+                return Err(ApplyFailure {
+                    sqlstate: Some("MM002".into()),
+                    ..ApplyFailure::new(
+                        Some(&display),
+                        format!("reading unchanged TOAST values from {}: {e}", self.ctx.peer),
+                    )
+                });
+            }
+        };
+        let Some(row) = rows.first() else {
+            return Ok(OriginRow::Gone);
+        };
+        let ts: Option<DateTime<Utc>> = row
+            .try_get(missing.len())
+            .map_err(|e| ApplyFailure::new(Some(&display), e.to_string()))?;
+        if ts.is_none_or(|t| t < rts) {
+            return Ok(OriginRow::Unavailable(format!(
+                "the row on {} is older than the change",
+                self.ctx.peer
+            )));
+        }
+        let mut full = new.clone();
+        for (n, &i) in missing.iter().enumerate() {
+            let v: Option<String> = row
+                .try_get(n)
+                .map_err(|e| ApplyFailure::new(Some(&display), e.to_string()))?;
+            full.columns[i] = match v {
+                Some(v) => ColumnValue::Text(bytes::Bytes::from(v)),
+                None => ColumnValue::Null,
+            };
+        }
+        Ok(OriginRow::Fetched(full))
+    }
+
     async fn careful_update(
         &mut self,
         meta: &TxnMeta,
-        upd: Update,
+        mut upd: Update,
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
+        // A conflicting update with unchanged-TOAST columns: complete it
+        // from its origin first, so resolvers see the whole row and the
+        // winner is written whole on every node.
+        let mut gone_on_origin = false;
+        if upd
+            .new
+            .columns
+            .iter()
+            .any(|c| matches!(c, ColumnValue::UnchangedToast))
+        {
+            let rel = self.rel(upd.relation_oid)?;
+            let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
+            let loc = masked_locator(rel, &match_mask);
+            let target = self.fetch_target(rel, &loc, &loc_params).await?;
+            let conflicting = target
+                .as_ref()
+                .is_none_or(|t| !self.no_conflict(t, remote_ts(meta)));
+            if conflicting {
+                match self
+                    .fetch_unchanged(upd.relation_oid, &upd.new, remote_ts(meta))
+                    .await?
+                {
+                    OriginRow::Fetched(full) => upd.new = full,
+                    OriginRow::Gone => gone_on_origin = true,
+                    OriginRow::Unavailable(why) => {
+                        tracing::debug!(why, "unchanged TOAST values not available from the origin")
+                    }
+                }
+            }
+        }
         let rel = self.rel(upd.relation_oid)?;
         let set_mask = rel.set_mask(&upd.new);
         let toast_mask = unchanged_mask(&upd.new);
@@ -737,6 +875,16 @@ impl Applier {
                         .filter(|(_, u)| **u)
                         .map(|(n, _)| n.as_str())
                         .collect();
+                    if !unsent.is_empty() && gone_on_origin {
+                        // Deleted on its origin since: that delete arrives
+                        // after this change and removes the row everywhere;
+                        // inserting it now would need values nobody has.
+                        tracing::info!(relation = %rel.display, kind = kind.as_str(),
+                            "update of a missing row with unchanged TOAST columns: the row is gone on its origin too; not inserting it");
+                        return self
+                            .log_conflict(rel, meta, &c, key, "keep_local", out)
+                            .await;
+                    }
                     if !unsent.is_empty() {
                         // MM002: may pass by itself (the row can still
                         // arrive from its origin through a third node), so
@@ -922,6 +1070,17 @@ fn key_of(rel: &LocalRelation, row: &Value) -> Option<Value> {
         m.insert(n.to_owned(), row.get(n).cloned().unwrap_or(Value::Null));
     }
     Some(Value::Object(m))
+}
+
+/// What the publisher holds for a row whose unchanged-TOAST values a
+/// conflict needs.
+enum OriginRow {
+    /// The incoming tuple with those values filled in.
+    Fetched(TupleData),
+    /// No row at that key any more.
+    Gone,
+    /// Cannot be used (no key, or an older version): the stream retries.
+    Unavailable(String),
 }
 
 /// The `error` resolver (or a resolver's error): the stream stops here.

@@ -192,6 +192,8 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             local_node: local.name.clone(),
             peer: peer.name.clone(),
             resolvers: Arc::clone(&local.resolvers),
+            peer_dsn: peer.peer_dsn.clone(),
+            peer_password: local.password.clone(),
         },
     )
     .await
