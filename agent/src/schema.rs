@@ -70,10 +70,19 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaErr
         )
         .await?
         .is_some();
+    // Partitioned tables publish as their root: one relation identity for
+    // row lookup, tombstones, truncate versions and every conflict check,
+    // whichever partition holds a row, and rows that move between
+    // partitions arrive as updates (docs/ARCHITECTURE.md).
     let sql = if exists {
-        format!("ALTER PUBLICATION mm SET TABLES IN SCHEMA {list}")
+        format!(
+            "ALTER PUBLICATION mm SET TABLES IN SCHEMA {list}; \
+             ALTER PUBLICATION mm SET (publish_via_partition_root = true)"
+        )
     } else {
-        format!("CREATE PUBLICATION mm FOR TABLES IN SCHEMA {list}")
+        format!(
+            "CREATE PUBLICATION mm FOR TABLES IN SCHEMA {list} WITH (publish_via_partition_root = true)"
+        )
     };
     client.batch_execute(&sql).await?;
     // Tables that existed before the agent (or before this version): the
@@ -83,7 +92,11 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaErr
             "SELECT mm.install_tombstone_trigger(c.oid) FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_publication_namespace pn ON pn.pnnspid = c.relnamespace \
              JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm' \
-             WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition",
+             WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition;
+             SELECT mm.install_partition_trigger(c.oid) FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_publication_namespace pn ON pn.pnnspid = c.relnamespace \
+             JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm' \
+             WHERE c.relkind IN ('r', 'p') AND c.relispartition",
         )
         .await?;
     Ok(())

@@ -99,6 +99,7 @@ impl Replayable for InMemory {
                 {
                     change = Some(m)
                 }
+                Message::Message(msg) if is_partition_truncate(msg) => return None,
                 // Nothing to apply (see `queue`).
                 Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
                 _ => return None,
@@ -720,8 +721,32 @@ impl Applier {
                     self.delete(pipe, txn, &guard, d, None).await?
                 }
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
-                // Types are described for binary mode; we bind text. Logical
-                // messages and origins carry nothing to apply here.
+                Message::Message(m) if is_partition_truncate(&m) => {
+                    let stmt = Self::prepare_settled(
+                        pipe,
+                        &self.client,
+                        "partition truncate",
+                        sql::APPLY_PARTITION_TRUNCATE,
+                    )
+                    .await?;
+                    let params = vec![
+                        Param::text(String::from_utf8_lossy(&m.content).into_owned()),
+                        Param::timestamptz(txn.commit_ts.0),
+                    ];
+                    push_row(
+                        0,
+                        pipe,
+                        &stmt,
+                        params,
+                        OpKind::Truncate,
+                        Arc::from("partition truncate"),
+                        txn,
+                        Commit::Later,
+                    )
+                    .await?
+                }
+                // Types are described for binary mode; we bind text. Other
+                // logical messages and origins carry nothing to apply here.
                 Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
                 other => {
                     return Err(ApplyFailure::new(
@@ -1523,4 +1548,11 @@ fn key_json_of_key(rel: &LocalRelation, k: &mm_proto::pgoutput::KeyTuple) -> ser
         }
     }
     serde_json::Value::Object(m)
+}
+
+/// A TRUNCATE of one partition, sent by `mm.record_partition_truncate` as a
+/// transactional logical message (PostgreSQL does not publish it via the
+/// partition root).
+pub(super) fn is_partition_truncate(m: &mm_proto::pgoutput::LogicalMessage) -> bool {
+    m.transactional && m.prefix == "mm.truncate"
 }

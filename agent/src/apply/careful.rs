@@ -87,6 +87,16 @@ impl Applier {
                             .await
                             .map_err(pg)?;
                     }
+                    Message::Message(m) if super::applier::is_partition_truncate(&m) => {
+                        let content = String::from_utf8_lossy(&m.content).into_owned();
+                        self.client
+                            .execute(
+                                sql::APPLY_PARTITION_TRUNCATE,
+                                &params_ref(&[Param::text(content), Param::timestamptz(meta.commit_ts.0)]),
+                            )
+                            .await
+                            .map_err(pg)?;
+                    }
                     Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
                     other => {
                         return Err(ApplyFailure::new(

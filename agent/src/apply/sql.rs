@@ -203,6 +203,11 @@ pub const INSERT_EXTRA_PARAMS: usize = 1;
 pub const APPLY_TRUNCATE: &str =
     "SELECT mm.apply_truncate($1::oid[], $2::timestamptz, $3::boolean, $4::boolean)";
 
+/// A TRUNCATE of one partition (`mm.truncate` message content, remote
+/// commit ts): `mm.apply_partition_truncate`.
+pub const APPLY_PARTITION_TRUNCATE: &str =
+    "SELECT mm.apply_partition_truncate($1::jsonb, $2::timestamptz)";
+
 /// The truncate version of a table: (roident, commit timestamp).
 pub fn truncate_lookup(relid: u32) -> String {
     format!(
@@ -319,11 +324,12 @@ pub fn tombstone_lookup(relid: u32, key_cols: &[&str], types: &[&str]) -> String
 }
 
 /// Locked local rows matching `where_sql` (over alias `r`), each with its
-/// version: ctid, row as jsonb, origin id, commit timestamp, and whether this
+/// version: where it is (`tableoid:ctid`: a ctid alone is not unique in a
+/// partitioned table), row as jsonb, origin id, commit timestamp, and whether this
 /// transaction wrote it.
 pub fn fetch_rows(table: &str, where_sql: &str) -> String {
     format!(
-        "SELECT r.ctid::text, pg_catalog.to_jsonb(r.*), o.roident, o.\"timestamp\", \
+        "SELECT r.tableoid::oid::text || ':' || r.ctid::text, pg_catalog.to_jsonb(r.*), o.roident, o.\"timestamp\", \
          r.xmin = pg_catalog.pg_current_xact_id()::xid \
          FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) o ON true \
          WHERE {where_sql} FOR UPDATE OF r"
@@ -385,17 +391,26 @@ pub fn insert_json(table: &str, cols: &[&str]) -> String {
     )
 }
 
-/// Overwrites the row at ctid `$2` with the jsonb row `$1`.
+/// `tableoid:ctid` (as `fetch_rows` gives it) in param `$n`.
+fn at_row(n: usize) -> String {
+    format!(
+        "tableoid = pg_catalog.split_part(${n}, ':', 1)::oid AND ctid = pg_catalog.split_part(${n}, ':', 2)::tid"
+    )
+}
+
+/// Overwrites the row at `$2` (`tableoid:ctid`) with the jsonb row `$1`.
 pub fn update_json(table: &str, cols: &[&str]) -> String {
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
     format!(
-        "UPDATE {table} SET ({names}) = (SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)) WHERE ctid = $2::tid"
+        "UPDATE {table} SET ({names}) = (SELECT {names} FROM pg_catalog.jsonb_populate_record(NULL::{table}, $1::jsonb)) WHERE {}",
+        at_row(2)
     )
 }
 
+/// Deletes the row at `$1` (`tableoid:ctid`).
 pub fn delete_ctid(table: &str) -> String {
-    format!("DELETE FROM {table} WHERE ctid = $1::tid")
+    format!("DELETE FROM {table} WHERE {}", at_row(1))
 }
 
 #[cfg(test)]

@@ -64,17 +64,95 @@ BEGIN
 END
 $fn$;
 
+-- Partitioned tables: a row trigger on the root, which PostgreSQL clones to
+-- every partition (present and future), so deletes through the root and
+-- straight on a partition both leave their tombstone, keyed by the ROOT
+-- (the identity changes arrive under: publish_via_partition_root).
+-- Statement triggers with transition tables cannot cover partitions.
+CREATE OR REPLACE FUNCTION mm.record_local_delete_row() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
+SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
+#variable_conflict use_variable
+DECLARE
+  root oid := coalesce(pg_partition_root(TG_RELID), TG_RELID);
+  cols text[] := mm.key_columns(root);
+BEGIN
+  IF cols IS NULL THEN
+    RETURN NULL;
+  END IF;
+  INSERT INTO mm.tombstones (relid, key)
+  SELECT root, (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols))
+  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  RETURN NULL;
+END
+$fn$;
+
 CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+DECLARE
+  parted boolean := (SELECT relkind = 'p' FROM pg_class WHERE oid = p_rel);
 BEGIN
+  -- An older agent put a statement trigger on partitioned roots too.
+  IF parted AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
+                                                   AND tgtype & 1 = 0) THEN
+    EXECUTE format('DROP TRIGGER mm_tombstones ON %s', p_rel::regclass);
+  END IF;
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones') THEN
-    EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
-                   'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
+    IF parted THEN
+      EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s '
+                     'FOR EACH ROW EXECUTE FUNCTION mm.record_local_delete_row()', p_rel::regclass);
+    ELSE
+      EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
+                     'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
+    END IF;
   END IF;
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
     EXECUTE format('CREATE TRIGGER mm_truncates AFTER TRUNCATE ON %s '
                    'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_truncate()', p_rel::regclass);
   END IF;
+END
+$fn$;
+
+-- Publishing via the partition root, PostgreSQL does not replicate a
+-- TRUNCATE of a single partition. This trigger on every partition sends it
+-- as a transactional logical message `mm.truncate` instead (in the
+-- truncating transaction, so in its commit order); peers apply it with
+-- mm.apply_partition_truncate. A TRUNCATE of the root also fires it on each
+-- partition: applying those again after the root's is a no-op.
+CREATE OR REPLACE FUNCTION mm.record_partition_truncate() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+BEGIN
+  INSERT INTO mm.truncates (relid) VALUES (TG_RELID)
+  ON CONFLICT (relid) DO UPDATE SET relid = EXCLUDED.relid;
+  PERFORM pg_logical_emit_message(true, 'mm.truncate',
+    jsonb_build_object('schema', TG_TABLE_SCHEMA, 'table', TG_TABLE_NAME)::text);
+  RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION mm.install_partition_trigger(p_rel oid) RETURNS void
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
+    EXECUTE format('CREATE TRIGGER mm_truncates AFTER TRUNCATE ON %s '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_partition_truncate()', p_rel::regclass);
+  END IF;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION mm.apply_partition_truncate(p_msg jsonb, p_ts timestamptz)
+RETURNS void LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+#variable_conflict use_variable
+DECLARE
+  rel oid := to_regclass(format('%I.%I', p_msg->>'schema', p_msg->>'table'));
+BEGIN
+  IF rel IS NULL THEN
+    RAISE EXCEPTION USING ERRCODE = '42P01',
+      MESSAGE = format('partition %I.%I, truncated on the publisher, does not exist on this node',
+                       p_msg->>'schema', p_msg->>'table');
+  END IF;
+  PERFORM mm.apply_truncate(ARRAY[rel], p_ts, false, false);
 END
 $fn$;
 
@@ -129,6 +207,14 @@ BEGIN
             WHERE d.object_type = 'table' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
   LOOP
     PERFORM mm.install_tombstone_trigger(r.oid);
+  END LOOP;
+  FOR r IN SELECT c.oid FROM pg_event_trigger_ddl_commands() d
+             JOIN pg_class c ON c.oid = d.objid
+             JOIN pg_publication_namespace pn ON pn.pnnspid = c.relnamespace
+             JOIN pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm'
+            WHERE d.object_type = 'table' AND c.relkind IN ('r', 'p') AND c.relispartition
+  LOOP
+    PERFORM mm.install_partition_trigger(r.oid);
   END LOOP;
 END
 $fn$;
