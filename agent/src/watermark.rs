@@ -104,6 +104,11 @@ impl Watermarks {
         self.moved.notify_one();
     }
 
+    /// Per origin: the newest commit timestamp applied here.
+    pub fn applied_snapshot(&self) -> BTreeMap<String, DateTime<Utc>> {
+        lock(&self.applied).clone()
+    }
+
     pub fn set_effective(&self, peer: &str, a: BTreeMap<String, DateTime<Utc>>) {
         lock(&self.effective).insert(peer.to_owned(), a);
     }

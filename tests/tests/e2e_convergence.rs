@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use mm_tests::TestCluster;
 use mm_tests::rng::{Rng, seed};
 
@@ -273,7 +273,7 @@ async fn run(seed: u64) -> Result<()> {
             .unwrap_or_default()
             .parse::<u64>()?;
     }
-    anyhow::ensure!(
+    ensure!(
         conflicts > 0,
         "no conflict was logged anywhere: the run did not test resolution"
     );
@@ -285,4 +285,249 @@ async fn run(seed: u64) -> Result<()> {
         "converged"
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Convergence over harder shapes: a partitioned table (rows moving between
+// partitions), a secondary unique key (two rows onto one value), primary key
+// changes and TOASTed columns left unchanged by updates. The exact winner
+// per key is not predicted here (a unique collision deletes the loser's
+// row, a key change moves it); what must hold is SPEC §7's convergence:
+// after wait-sync every node holds identical rows, no stream is stuck, and
+// no TOASTed value was ever lost (written NULL).
+
+const SHAPES_SCHEMA: &str = "
+CREATE TABLE pt (id int, region text, big text NOT NULL, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+CREATE TABLE pt_eu PARTITION OF pt FOR VALUES IN ('eu');
+CREATE TABLE pt_us PARTITION OF pt FOR VALUES IN ('us');
+ALTER TABLE pt_eu ALTER COLUMN big SET STORAGE EXTERNAL;
+ALTER TABLE pt_us ALTER COLUMN big SET STORAGE EXTERNAL;
+CREATE TABLE uq (id int PRIMARY KEY, email text NOT NULL UNIQUE, big text NOT NULL, v text);
+ALTER TABLE uq ALTER COLUMN big SET STORAGE EXTERNAL;";
+const SHAPE_NAMES: [&str; 3] = ["sh1", "sh2", "sh3"];
+const SHAPE_KEYS: u64 = 12;
+const SHAPE_OPS: usize = 80;
+
+/// 6400 bytes, stored out of line.
+fn big(salt: &str) -> String {
+    format!("(SELECT string_agg(md5(g::text || '{salt}'), '') FROM generate_series(1, 200) g)")
+}
+
+/// Which kinds of writes a shapes run makes.
+#[derive(Clone, Copy)]
+struct Ops {
+    /// Rows of `uq` moved onto each other's unique email.
+    unique: bool,
+    /// `uq` primary key changes (`pt` rows change key when they move
+    /// between partitions in every run).
+    uq_keys: bool,
+}
+
+async fn shape_client(
+    c: tokio_postgres::Client,
+    node: usize,
+    client_no: usize,
+    seed: u64,
+    ops: Ops,
+) -> Result<u64> {
+    let mut rng = Rng::new(seed ^ ((node as u64 + 7) << 40) ^ ((client_no as u64 + 3) << 20));
+    let mut done = 0u64;
+    for seq in 0..SHAPE_OPS {
+        let k = 1 + rng.below(SHAPE_KEYS);
+        let tag = format!("{}-{client_no}-{seq}", SHAPE_NAMES[node]);
+        let region = if rng.below(2) == 0 { "eu" } else { "us" };
+        // Without unique collisions every row keeps an email of its own.
+        let email = if ops.unique {
+            format!("e{}", rng.below(6))
+        } else {
+            format!("e{k}")
+        };
+        let mut op = rng.below(10);
+        if (op == 5 && !ops.unique) || (op == 6 && !ops.uq_keys) {
+            op = 7;
+        }
+        let sql = match op {
+            0 => format!(
+                "INSERT INTO pt VALUES ({k}, '{region}', {}, '{tag}') ON CONFLICT (id, region) DO UPDATE SET v = EXCLUDED.v",
+                big(&tag)
+            ),
+            1 => format!("UPDATE pt SET v = '{tag}' WHERE id = {k}"),
+            2 => format!("UPDATE pt SET region = '{region}', v = '{tag}' WHERE id = {k}"),
+            3 => format!("DELETE FROM pt WHERE id = {k}"),
+            4 => format!(
+                "INSERT INTO uq VALUES ({k}, '{email}', {}, '{tag}') ON CONFLICT (id) DO UPDATE SET v = EXCLUDED.v",
+                big(&tag)
+            ),
+            5 => format!("UPDATE uq SET email = '{email}' WHERE id = {k}"),
+            6 => format!("UPDATE uq SET id = {} WHERE id = {k}", k + SHAPE_KEYS),
+            7 => format!("UPDATE uq SET v = '{tag}' WHERE id = {k}"),
+            8 => format!("UPDATE uq SET big = {} WHERE id = {k}", big(&tag)),
+            _ => format!("DELETE FROM uq WHERE id IN ({k}, {})", k + SHAPE_KEYS),
+        };
+        match c.batch_execute(&sql).await {
+            Ok(()) => done += 1,
+            // Taken locally (unique), or a deadlock with an apply session:
+            // this write did not happen.
+            Err(e)
+                if e.code()
+                    .is_some_and(|s| s.code() == "23505" || s.code().starts_with("40")) => {}
+            Err(e) => {
+                return Err(e).context(format!("{} client {client_no}: {sql}", SHAPE_NAMES[node]));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(2 * THINK_MS))).await;
+    }
+    Ok(done)
+}
+
+async fn shapes_run(seed: u64, ops: Ops) -> Result<()> {
+    let c = TestCluster::start(&SHAPE_NAMES, SHAPES_SCHEMA).await?;
+    let mut tasks = Vec::new();
+    for node in 0..SHAPE_NAMES.len() {
+        for k in 0..2 {
+            let conn = c.pg[node].connect().await?;
+            tasks.push(tokio::spawn(shape_client(conn, node, k, seed, ops)));
+        }
+    }
+    let mut rng = Rng::new(seed ^ 0x5AA5_5AA5_0F0F_F0F0);
+    let mut paused: BTreeSet<(usize, usize)> = BTreeSet::new();
+    while tasks.iter().any(|t| !t.is_finished()) {
+        tokio::time::sleep(Duration::from_millis(300 + rng.below(700))).await;
+        let from = rng.below(3) as usize;
+        let to = (from + 1 + rng.below(2) as usize) % 3;
+        let (f, t) = (SHAPE_NAMES[from], SHAPE_NAMES[to]);
+        if paused.remove(&(from, to)) {
+            mmctl_retry(&c, 0, &["resume", "--from", f, "--to", t]).await?;
+        } else if paused.len() < 3 {
+            mmctl_retry(&c, 0, &["pause", "--from", f, "--to", t]).await?;
+            paused.insert((from, to));
+        }
+    }
+    let mut writes = 0;
+    for t in tasks {
+        writes += t.await??;
+    }
+    for (from, to) in std::mem::take(&mut paused) {
+        mmctl_retry(
+            &c,
+            0,
+            &[
+                "resume",
+                "--from",
+                SHAPE_NAMES[from],
+                "--to",
+                SHAPE_NAMES[to],
+            ],
+        )
+        .await?;
+    }
+    c.wait_sync(180).await?;
+    let pt = c
+        .assert_same("SELECT tableoid::regclass::text, id, region, md5(big), length(big), v FROM pt ORDER BY id, region")
+        .await?;
+    let uq = match c
+        .assert_same("SELECT id, email, md5(big), length(big), v FROM uq ORDER BY id")
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let mut logs = String::new();
+            for (i, name) in SHAPE_NAMES.iter().enumerate() {
+                let rows = c
+                    .rows(
+                        i,
+                        "SELECT conflict_type, key::text, local_origin, local_commit_ts::text, remote_origin, \
+                         remote_commit_ts::text, resolution, local_tuple->>'email', remote_tuple->>'email', \
+                         remote_tuple->>'id' FROM mm.conflict_log WHERE relation = 'public.uq' ORDER BY id",
+                    )
+                    .await?;
+                logs.push_str(&format!("\n--- {name} conflict log (uq) ---\n"));
+                for r in rows {
+                    logs.push_str(&format!("{r:?}\n"));
+                }
+            }
+            return Err(e.context(logs));
+        }
+    };
+    for r in pt.iter().chain(uq.iter()) {
+        ensure!(
+            r.iter().rev().nth(1) == Some(&Some("6400".to_owned())),
+            "a TOASTed value was lost: {r:?}"
+        );
+    }
+    let mut conflicts = 0u64;
+    for i in 0..SHAPE_NAMES.len() {
+        conflicts += c.pg[i]
+            .query_one_string("SELECT count(*) FROM mm.conflict_log")
+            .await?
+            .unwrap_or_default()
+            .parse::<u64>()?;
+        let out = c.mmctl(i, &["status"]).await?;
+        ensure!(out.success(), "a stream is in error:\n{}", out.stdout);
+    }
+    ensure!(
+        conflicts > 0,
+        "no conflict anywhere: the run tested nothing"
+    );
+    tracing::info!(
+        writes,
+        conflicts,
+        pt = pt.len(),
+        uq = uq.len(),
+        "shapes converged"
+    );
+    Ok(())
+}
+
+const CONVERGING: Ops = Ops {
+    unique: false,
+    uq_keys: false,
+};
+
+/// Two seeds per run (two clusters, run side by side by the test runner):
+/// partitioned rows moving between partitions (a key change), TOASTed
+/// columns left unchanged by updates, inserts, updates and deletes on every
+/// node with streams paused and resumed at random.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_shapes_converge_seed_a() -> Result<()> {
+    mm_tests::init_tracing();
+    let seed = seed()?;
+    eprintln!("e2e_convergence shapes: MM_SEED={seed}");
+    shapes_run(seed, CONVERGING)
+        .await
+        .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_shapes_converge_seed_b() -> Result<()> {
+    mm_tests::init_tracing();
+    let seed = seed()?;
+    eprintln!("e2e_convergence shapes (second seed: MM_SEED + 7777777): MM_SEED={seed}");
+    shapes_run(seed.wrapping_add(7_777_777), CONVERGING)
+        .await
+        .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
+}
+
+/// A known divergence, kept as its reproducer: with rows moved onto each
+/// other's secondary unique value, or primary keys changed, at random on
+/// three nodes, a row can survive on one node and not another (either kind
+/// alone is enough, e.g. MM_SEED=12). Rows deleted by the unique-collision
+/// rule, and the old key of a changed key, leave no tombstone, so a later
+/// change to that key is judged against nothing on one node and against a
+/// newer version on another. Not fixed yet: run with `--ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known divergence (unique collisions + key changes at random, 3 nodes): see the doc comment"]
+async fn random_unique_and_key_changes_converge() -> Result<()> {
+    mm_tests::init_tracing();
+    let seed = seed()?;
+    eprintln!("e2e_convergence unique+keys: MM_SEED={seed}");
+    shapes_run(
+        seed,
+        Ops {
+            unique: true,
+            uq_keys: true,
+        },
+    )
+    .await
+    .with_context(|| format!("unique+keys run failed; rerun with MM_SEED={seed}"))
 }

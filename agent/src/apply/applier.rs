@@ -136,6 +136,8 @@ pub struct ApplyContext {
     /// needs (`careful.rs`).
     pub peer_dsn: String,
     pub peer_password: Option<String>,
+    /// What this node has applied from every origin (`watermark.rs`).
+    pub applied: Arc<crate::watermark::Watermarks>,
 }
 
 pub struct Applier {
@@ -1060,6 +1062,20 @@ impl Applier {
         done
     }
 
+    /// Could the publisher have applied a change from a third origin,
+    /// committed before `ts`, that this node has not applied? With two
+    /// nodes never; otherwise unless everything from every third origin up
+    /// to `ts` is applied here. Clock skew aside, like last-writer-wins.
+    pub(super) fn base_may_be_stale(&self, ts: DateTime<Utc>) -> bool {
+        let here = self.ctx.applied.applied_snapshot();
+        self.wm
+            .map
+            .keys()
+            .chain(here.keys())
+            .filter(|o| **o != self.ctx.peer && **o != self.ctx.local_node)
+            .any(|o| here.get(o).is_none_or(|a| *a < ts))
+    }
+
     fn in_foreign_key(&self, m: &Message) -> bool {
         let oid = match m {
             Message::Insert(i) => i.relation_oid,
@@ -1204,9 +1220,26 @@ impl Applier {
         pipe: &mut Pipeline,
         txn: TxnMeta,
         guard: &[Param; 4],
-        upd: Update,
+        mut upd: Update,
         progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
+        // Unchanged TOAST means "as in the publisher's row". That row may
+        // hold a change from a third node this node has not applied yet
+        // (its stream lags): then the local value is not the publisher's,
+        // and the later change would lose to this one here but not there.
+        // Take the values from the publisher instead (`fetch_unchanged`).
+        if let Some(ts) = txn.commit_ts.to_datetime()
+            && upd
+                .new
+                .columns
+                .iter()
+                .any(|c| matches!(c, ColumnValue::UnchangedToast))
+            && self.base_may_be_stale(ts)
+            && let super::careful::OriginRow::Fetched(full) =
+                self.fetch_unchanged(upd.relation_oid, &upd.new, ts).await?
+        {
+            upd.new = full;
+        }
         let rel = self.rel(upd.relation_oid)?;
         let display = Arc::clone(&rel.display);
         let set_mask = rel.set_mask(&upd.new);

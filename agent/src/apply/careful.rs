@@ -686,7 +686,7 @@ impl Applier {
     /// gone here). Read from the publisher by key, and used only if that row
     /// is this change's version or newer (newer changes will arrive after
     /// it and are applied on top).
-    async fn fetch_unchanged(
+    pub(super) async fn fetch_unchanged(
         &mut self,
         rel_oid: u32,
         new: &TupleData,
@@ -810,7 +810,8 @@ impl Applier {
             let target = self.fetch_target(rel, &loc, &loc_params).await?;
             let conflicting = target
                 .as_ref()
-                .is_none_or(|t| !self.no_conflict(t, remote_ts(meta)));
+                .is_none_or(|t| !self.no_conflict(t, remote_ts(meta)))
+                || self.base_may_be_stale(remote_ts(meta));
             if conflicting {
                 match self
                     .fetch_unchanged(upd.relation_oid, &upd.new, remote_ts(meta))
@@ -864,7 +865,27 @@ impl Applier {
             }
             let rel = self.rel(upd.relation_oid)?;
             // The row is gone here: deleted (tombstone) or never arrived.
+            // An update that changed the key is, for that key, an insert:
+            // what decides is the NEW key's history (its tombstone, rows
+            // there now), not the old key's. The old key is gone either
+            // way; a newer delete of it must not take the new row along,
+            // or the nodes that moved the row first would keep it and the
+            // others would not.
+            let new_key: Vec<Param> = rel
+                .key_remote
+                .iter()
+                .map(|&i| match upd.new.columns.get(i) {
+                    Some(ColumnValue::Text(b)) => Param::Text(b.clone()),
+                    _ => Param::Null,
+                })
+                .collect();
+            let key_changed = upd.old.is_some()
+                && new_key.iter().zip(&loc_params).any(|(n, o)| match (n, o) {
+                    (Param::Text(a), Param::Text(b)) => a != b,
+                    _ => true,
+                });
             let key_params: Vec<Param> = match &rel.locator {
+                Locator::Key(_) if key_changed => new_key,
                 Locator::Key(_) => loc_params.clone(),
                 Locator::AllColumns(_) => Vec::new(),
             };
@@ -914,6 +935,52 @@ impl Applier {
                             )
                         });
                     }
+                    // The row it becomes may collide with others (its new
+                    // key, or a unique value, taken here meanwhile): a
+                    // second decision, as for an insert over them.
+                    let collisions = self.fetch_collisions(rel, &upd.new.columns, None).await?;
+                    if !collisions.is_empty() {
+                        self.log_conflict(rel, meta, &c, key.clone(), "apply_remote", out)
+                            .await?;
+                        let rel = self.rel(upd.relation_oid)?;
+                        let kind = if collisions.len() == 1 {
+                            ConflictType::UpdateExists
+                        } else {
+                            ConflictType::MultipleUniqueConflicts
+                        };
+                        let remote_new = c.remote_new.clone();
+                        let c2 = self.conflict(
+                            kind,
+                            rel,
+                            meta,
+                            Some(&collisions[0]),
+                            c.remote_old.clone(),
+                            remote_new,
+                        );
+                        let res2 = Self::classify_row(self.resolve(rel, &c2).await?, &c2);
+                        let involved: Vec<&Version> = collisions.iter().collect();
+                        let label = match &res2 {
+                            Resolution::ApplyRemote => {
+                                self.delete_versions(rel, &involved).await?;
+                                let cols: Vec<&str> =
+                                    rel.local_names.iter().map(String::as_str).collect();
+                                let params = tuple_params(&upd.new, rel, None)?;
+                                out.rows += self
+                                    .exec(rel, &sql::insert(&rel.table_sql, &cols), &params)
+                                    .await?;
+                                "apply_remote"
+                            }
+                            Resolution::Row(v) => {
+                                self.delete_versions(rel, &involved).await?;
+                                self.write_row(rel, v, None).await?;
+                                "merged"
+                            }
+                            Resolution::KeepLocal | Resolution::NoRow => "keep_local",
+                            Resolution::Error(m) => return Err(stop(rel, &c2, key.as_ref(), m)),
+                        };
+                        return self.log_conflict(rel, meta, &c2, key, label, out).await;
+                    }
+                    let rel = self.rel(upd.relation_oid)?;
                     let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
                     let params = tuple_params(&upd.new, rel, None)?;
                     out.rows += self
@@ -1084,7 +1151,7 @@ fn key_of(rel: &LocalRelation, row: &Value) -> Option<Value> {
 
 /// What the publisher holds for a row whose unchanged-TOAST values a
 /// conflict needs.
-enum OriginRow {
+pub(super) enum OriginRow {
     /// The incoming tuple with those values filled in.
     Fetched(TupleData),
     /// No row at that key any more.

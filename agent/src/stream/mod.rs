@@ -194,6 +194,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             resolvers: Arc::clone(&local.resolvers),
             peer_dsn: peer.peer_dsn.clone(),
             peer_password: local.password.clone(),
+            applied: Arc::clone(&local.watermarks),
         },
     )
     .await
