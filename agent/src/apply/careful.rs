@@ -430,21 +430,23 @@ impl Applier {
             .or_else(|| Some(self.ctx.local_node.clone()))
     }
 
-    /// Same-origin, this transaction, unknown history, or provably seen by
-    /// the publisher and older than the change: no resolver needed. The same
-    /// test as `mm.routine` (schema.rs), which the fast path runs.
+    /// The routine test (`conflict::routine`, the same rule `mm.routine`
+    /// applies on the fast path).
     fn no_conflict(&self, v: &Version, remote_ts: DateTime<Utc>) -> bool {
-        if v.this_txn || v.roident == Some(self.peer_roident) {
-            return true;
-        }
-        let Some(ts) = v.ts else {
-            return true;
+        let facts = crate::conflict::routine::VersionFacts {
+            roident: v.roident,
+            ts: v.ts,
+            this_txn: v.this_txn,
         };
-        let node = self.origin_name(v).unwrap_or_default();
-        self.wm
-            .map
-            .get(&node)
-            .is_some_and(|w| ts <= *w && ts < remote_ts)
+        crate::conflict::routine::no_resolver_needed(
+            &facts,
+            self.peer_roident,
+            |id| {
+                let node = self.origins.get(&id)?;
+                self.wm.map.get(node).copied()
+            },
+            remote_ts,
+        )
     }
 
     /// Counts a no-conflict change to another origin's version as routine.

@@ -44,6 +44,19 @@ pub struct ApplyFailure {
     /// A fast-path statement met a conflict: not an error, the transaction
     /// is redone with the resolver (`Applier::recover`).
     pub conflict: bool,
+    /// What PostgreSQL's error means to the apply path, decided once here
+    /// from its SQLSTATE and constraint, not by comparing strings elsewhere.
+    pub signal: Option<Signal>,
+}
+
+/// Errors of a fast-path row statement that mean "use the resolver".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// `mm.conflict()` (MM001) or the `mm.one_row` check: a version that
+    /// needs the resolver, a tombstone or truncate in the way, a row missing.
+    Conflict,
+    /// 23505: the new row's key or unique value is taken.
+    UniqueViolation,
 }
 
 impl ApplyFailure {
@@ -54,6 +67,7 @@ impl ApplyFailure {
             message: message.into(),
             txn: None,
             conflict: false,
+            signal: None,
         }
     }
 
@@ -66,6 +80,7 @@ impl ApplyFailure {
                 message: "mm: conflict, resolving (no row to change)".to_owned(),
                 txn: None,
                 conflict: false,
+                signal: Some(Signal::Conflict),
             },
             Some(db) => ApplyFailure {
                 relation: relation.map(str::to_owned),
@@ -76,6 +91,11 @@ impl ApplyFailure {
                 },
                 txn: None,
                 conflict: false,
+                signal: match db.code().code() {
+                    "MM001" => Some(Signal::Conflict),
+                    "23505" => Some(Signal::UniqueViolation),
+                    _ => None,
+                },
             },
             None => ApplyFailure {
                 relation: relation.map(str::to_owned),
@@ -83,6 +103,7 @@ impl ApplyFailure {
                 message: format!("local PostgreSQL: {e}"),
                 txn: None,
                 conflict: false,
+                signal: None,
             },
         }
     }

@@ -176,7 +176,7 @@ impl Pipeline {
                     // unique key: the transaction needs the resolver.
                     f.conflict =
                         matches!(meta.kind, OpKind::Insert | OpKind::Update | OpKind::Delete)
-                            && matches!(f.sqlstate.as_deref(), Some("MM001" | "23505"));
+                            && f.signal.is_some();
                     self.rows = 0;
                     self.orphans.clear();
                     return Err(f);

@@ -177,15 +177,11 @@ impl LocalRelation {
         }
         // Prefer the replica identity index, then the primary key: the same
         // choice PostgreSQL's own apply worker makes.
+        // The same function the tombstone trigger uses, so both sides agree
+        // on which columns form the key.
         let key_rows = client
             .query(
-                "SELECT a.attname::text FROM pg_catalog.pg_index i \
-                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey) \
-                 WHERE i.indrelid = $1 AND i.indexrelid = ( \
-                   SELECT i2.indexrelid FROM pg_catalog.pg_index i2 WHERE i2.indrelid = $1 \
-                   AND (i2.indisreplident OR i2.indisprimary) AND i2.indisvalid \
-                   ORDER BY i2.indisreplident DESC LIMIT 1) \
-                 ORDER BY array_position(i.indkey::int2[], a.attnum)",
+                "SELECT k FROM unnest(mm.key_columns($1)) WITH ORDINALITY AS u(k, i) ORDER BY i",
                 &[&oid],
             )
             .await

@@ -20,6 +20,7 @@
 //! one can, whichever arrives first.
 
 mod resolver;
+pub mod routine;
 
 pub use resolver::{
     ApplyRemote, ErrorResolver, FirstWriterWins, KeepLocal, LastWriterWins, Resolver,
