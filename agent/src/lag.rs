@@ -41,6 +41,9 @@ const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 /// A paused stream's slot is peeked this often (it decodes WAL).
 const PEEK_EVERY: u32 = 5;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a running stream gets to reach a publisher position before it
+/// counts as lag: more than its feedback/keepalive period (300 ms).
+const SETTLE: Duration = Duration::from_millis(800);
 /// Samples kept per publisher (one per probe at most: hours of backlog).
 const MAX_SAMPLES: usize = 100_000;
 
@@ -74,12 +77,29 @@ impl LagTracker {
     /// sample past `processed`, i.e. since the oldest pending change was
     /// first seen.
     pub fn lag(&mut self, at: Instant, processed: Lsn) -> Option<(u64, f64)> {
+        self.lag_settled(at, processed, Duration::ZERO)
+    }
+
+    /// As `lag`, against the publisher's position as it was `settle` ago: a
+    /// running stream reaches the publisher's current position only at its
+    /// next keepalive, so comparing with a position read this instant would
+    /// show the last few hundred bytes (watermarks) of an idle stream as lag.
+    pub fn lag_settled(
+        &mut self,
+        at: Instant,
+        processed: Lsn,
+        settle: Duration,
+    ) -> Option<(u64, f64)> {
         // Samples at or below `processed` say nothing any more (processed
         // positions only grow), except the newest one.
         while self.samples.len() > 1 && self.samples.front().is_some_and(|(_, l)| *l <= processed) {
             self.samples.pop_front();
         }
-        let (_, newest) = *self.samples.back()?;
+        self.samples.back()?;
+        let cutoff = at.checked_sub(settle).unwrap_or(at);
+        let Some(&(_, newest)) = self.samples.iter().rev().find(|(t, _)| *t <= cutoff) else {
+            return Some((0, 0.0));
+        };
         let bytes = newest.0.saturating_sub(processed.0);
         if bytes == 0 {
             return Some((0, 0.0));
@@ -289,7 +309,14 @@ impl Probe {
         let Some(processed) = processed else {
             return;
         };
-        let Some((bytes, mut seconds)) = p.tracker.lag(now, processed) else {
+        // A running stream: against the position of a moment ago (see
+        // `lag_settled`); stopped ones cannot catch up meanwhile.
+        let settle = if idle_stream || matches!(state, Some(StreamState::Error)) {
+            Duration::ZERO
+        } else {
+            SETTLE
+        };
+        let Some((bytes, mut seconds)) = p.tracker.lag_settled(now, processed, settle) else {
             return;
         };
         if idle_stream {
@@ -336,6 +363,25 @@ mod tests {
         assert_eq!(t.lag(at(60), Lsn(900)), Some((0, 0.0)));
         // A processed position past the last sample (keepalives) is no lag.
         assert_eq!(t.lag(at(61), Lsn(950)), Some((0, 0.0)));
+    }
+
+    #[test]
+    fn a_running_stream_gets_a_moment_to_reach_the_publisher() {
+        let t0 = Instant::now();
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        let mut t = LagTracker::default();
+        t.observe(ms(0), Lsn(100));
+        t.observe(ms(1000), Lsn(200));
+        // At 1.1 s the stream has processed 100: the 200 read 0.1 s ago is
+        // not lag yet, only what was there 0.8 s before.
+        let settle = Duration::from_millis(800);
+        assert_eq!(t.lag_settled(ms(1100), Lsn(100), settle), Some((0, 0.0)));
+        // Still at 100 at 2 s: now it is.
+        let (b, s) = t
+            .lag_settled(ms(2000), Lsn(100), settle)
+            .unwrap_or_default();
+        assert_eq!(b, 100);
+        assert!((s - 1.0).abs() < 1e-9, "{s}");
     }
 
     #[test]
