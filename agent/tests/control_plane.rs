@@ -1057,11 +1057,11 @@ async fn skip_conflicts_and_counters_against_real_postgres() {
     );
     for want in [
         "a1",
-        "2026-03-01 10:00:03.250000",
+        "2026-03-01 10:00:03.250000+00",
         "delete_missing",
         r#"{"id":3}"#,
-        "b2 2026-03-01 10:00:00.000001",
-        "a1 2026-03-01 10:00:00.500000",
+        "b2 2026-03-01 10:00:00.000001+00",
+        "a1 2026-03-01 10:00:00.500000+00",
         "0/C0",
     ] {
         assert!(lines[1].contains(want), "{want} missing: {out}");

@@ -253,28 +253,26 @@ impl Applier {
             return Ok(None);
         };
         let text = sql::tombstone_lookup(rel.relid, &names, &rel.key_types());
-        let rows = self
-            .client
-            .query(&text, &params_ref(key))
-            .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
-        let Some(r) = rows.first() else {
-            return Ok(None);
-        };
-        Ok(Some(Version {
-            ctid: None,
-            row: None,
-            roident: r.try_get(0).map_err(|e| fail(rel, e.to_string()))?,
-            ts: r.try_get(1).map_err(|e| fail(rel, e.to_string()))?,
-            this_txn: false,
-        }))
+        self.fetch_marker(rel, &text, key).await
     }
 
     /// The table's truncate version, if it was ever truncated.
     async fn fetch_truncate(&self, rel: &LocalRelation) -> Result<Option<Version>, ApplyFailure> {
+        self.fetch_marker(rel, &sql::truncate_lookup(rel.relid), &[])
+            .await
+    }
+
+    /// A row-less version (a tombstone or a truncate): `(roident, ts)` from
+    /// the first row of `text`, if any.
+    async fn fetch_marker(
+        &self,
+        rel: &LocalRelation,
+        text: &str,
+        params: &[Param],
+    ) -> Result<Option<Version>, ApplyFailure> {
         let rows = self
             .client
-            .query(&sql::truncate_lookup(rel.relid), &[])
+            .query(text, &params_ref(params))
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
         let Some(r) = rows.first() else {
