@@ -367,7 +367,6 @@ impl Applier {
         Ok((applier, start))
     }
 
-    /// Reads the local origin ids of every `mm_<node>` origin.
     /// The stream's counters as stored: applied transactions (counted by
     /// `mm.advance_progress` in each one) and conflicts by type (the
     /// conflict log's rows from this peer), so status survives restarts.
@@ -401,6 +400,7 @@ impl Applier {
         Ok((txns.max(0) as u64, conflicts))
     }
 
+    /// Reads the local origin ids of every `mm_<node>` origin.
     pub(super) async fn load_origins(&mut self) -> Result<(), ApplyFailure> {
         let rows = self
             .client
@@ -731,10 +731,7 @@ impl Applier {
                         sql::APPLY_PARTITION_TRUNCATE,
                     )
                     .await?;
-                    let params = vec![
-                        Param::text(String::from_utf8_lossy(&m.content).into_owned()),
-                        Param::timestamptz(txn.commit_ts.0),
-                    ];
+                    let params = partition_truncate_params(&m, &txn);
                     push_row(
                         0,
                         pipe,
@@ -839,7 +836,8 @@ impl Applier {
         Ok(())
     }
 
-    /// The statement of an orphan check, prepared once per constraint.
+    /// The statement of an orphan check, prepared once per constraint (the
+    /// SQL text is built only then: this runs for every row of such tables).
     pub(super) async fn fk_statement(
         &mut self,
         pipe: Option<&mut Pipeline>,
@@ -851,17 +849,20 @@ impl Applier {
             .fks
             .clone()
             .ok_or_else(|| ApplyFailure::new(Some(&*rel.display), "foreign keys vanished"))?;
-        let (fk, text) = if check.as_child {
-            let fk = &fks.as_child[check.index];
-            (fk, super::fk::child_check_sql(fk, &self.ctx.peer))
+        let fk = if check.as_child {
+            &fks.as_child[check.index]
         } else {
-            let fk = &fks.as_parent[check.index];
-            (fk, super::fk::parent_check_sql(fk, &self.ctx.peer))
+            &fks.as_parent[check.index]
         };
         let child: Arc<str> = Arc::from(fk.child_display.as_str());
         if let Some(s) = rel.fk_stmts.get(&slot) {
             return Ok((s.clone(), child));
         }
+        let text = if check.as_child {
+            super::fk::child_check_sql(fk, &self.ctx.peer)
+        } else {
+            super::fk::parent_check_sql(fk, &self.ctx.peer)
+        };
         let display = Arc::clone(&rel.display);
         let stmt = match pipe {
             Some(p) => Self::prepare_settled(p, &self.client, &display, &text).await?,
@@ -1572,12 +1573,11 @@ fn key_json_of_tuple(rel: &LocalRelation, t: &TupleData) -> serde_json::Value {
 }
 
 fn key_json_of_key(rel: &LocalRelation, k: &mm_proto::pgoutput::KeyTuple) -> serde_json::Value {
+    let vals = super::fk::old_values(rel, &OldTuple::Key(k.clone()));
     let mut m = serde_json::Map::new();
-    if let Ok(vals) = k.values(&rel.remote) {
-        for (i, v) in vals.enumerate() {
-            if let (KeyValue::Key(c), Some(name)) = (v, rel.local_names.get(i)) {
-                m.insert(name.clone(), text_json(c));
-            }
+    for (v, name) in vals.iter().zip(&rel.local_names) {
+        if let Some(c) = v {
+            m.insert(name.clone(), text_json(c));
         }
     }
     serde_json::Value::Object(m)
@@ -1588,4 +1588,15 @@ fn key_json_of_key(rel: &LocalRelation, k: &mm_proto::pgoutput::KeyTuple) -> ser
 /// partition root).
 pub(super) fn is_partition_truncate(m: &mm_proto::pgoutput::LogicalMessage) -> bool {
     m.transactional && m.prefix == "mm.truncate"
+}
+
+/// Parameters of `sql::APPLY_PARTITION_TRUNCATE` for such a message.
+pub(super) fn partition_truncate_params(
+    m: &mm_proto::pgoutput::LogicalMessage,
+    txn: &TxnMeta,
+) -> Vec<Param> {
+    vec![
+        Param::text(String::from_utf8_lossy(&m.content).into_owned()),
+        Param::timestamptz(txn.commit_ts.0),
+    ]
 }

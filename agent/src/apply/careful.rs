@@ -88,12 +88,9 @@ impl Applier {
                             .map_err(pg)?;
                     }
                     Message::Message(m) if super::applier::is_partition_truncate(&m) => {
-                        let content = String::from_utf8_lossy(&m.content).into_owned();
+                        let params = super::applier::partition_truncate_params(&m, meta);
                         self.client
-                            .execute(
-                                sql::APPLY_PARTITION_TRUNCATE,
-                                &params_ref(&[Param::text(content), Param::timestamptz(meta.commit_ts.0)]),
-                            )
+                            .execute(sql::APPLY_PARTITION_TRUNCATE, &params_ref(&params))
                             .await
                             .map_err(pg)?;
                     }
@@ -119,8 +116,7 @@ impl Applier {
                     .await
                     .map_err(|e| ApplyFailure::from_pg(Some(&child), &e))?;
                 if n > 0 {
-                    tracing::warn!(relation = %child, orphans = n, commit_lsn = %meta.commit_lsn,
-                        "foreign key orphan: a row references a parent row that is gone (concurrent insert and delete on two nodes); kept, logged in mm.conflict_log as foreign_key_orphan");
+                    super::fk::warn_orphans(&child, n, meta.commit_lsn);
                 }
                 for _ in 0..n {
                     out.conflicts.push((super::fk::ORPHAN, Arc::clone(&child)));
@@ -794,6 +790,12 @@ impl Applier {
         mut upd: Update,
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
+        let rel = self.rel(upd.relation_oid)?;
+        // The row is found by the key (or the old row), which the values
+        // completed below never change: located once.
+        let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
+        let loc = masked_locator(rel, &match_mask);
+        let target = self.fetch_target(rel, &loc, &loc_params).await?;
         // A conflicting update with unchanged-TOAST columns: complete it
         // from its origin first, so resolvers see the whole row and the
         // winner is written whole on every node.
@@ -804,10 +806,6 @@ impl Applier {
             .iter()
             .any(|c| matches!(c, ColumnValue::UnchangedToast))
         {
-            let rel = self.rel(upd.relation_oid)?;
-            let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
-            let loc = masked_locator(rel, &match_mask);
-            let target = self.fetch_target(rel, &loc, &loc_params).await?;
             let conflicting = target
                 .as_ref()
                 .is_none_or(|t| !self.no_conflict(t, remote_ts(meta)))
@@ -829,9 +827,6 @@ impl Applier {
         let set_mask = rel.set_mask(&upd.new);
         let toast_mask = unchanged_mask(&upd.new);
         let set_params = tuple_params(&upd.new, rel, Some(&set_mask))?;
-        let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
-        let loc = masked_locator(rel, &match_mask);
-        let target = self.fetch_target(rel, &loc, &loc_params).await?;
         let set_cols: Vec<&str> = rel
             .local_names
             .iter()

@@ -23,6 +23,16 @@ use super::{ApplyFailure, Param};
 
 pub const ORPHAN: &str = "foreign_key_orphan";
 
+/// The warning for `n` orphans a transaction's check found in `relation`.
+pub fn warn_orphans(relation: &str, n: u64, commit_lsn: mm_proto::Lsn) {
+    tracing::warn!(
+        relation,
+        orphans = n,
+        %commit_lsn,
+        "foreign key orphan: a row references a parent row that is gone (concurrent insert and delete on two nodes); kept, logged in mm.conflict_log as foreign_key_orphan"
+    );
+}
+
 /// One foreign-key constraint, from the child's and the parent's side.
 #[derive(Debug, Clone)]
 pub struct ForeignKey {
@@ -300,7 +310,7 @@ pub fn checks(
 }
 
 /// The old row's values as far as sent (a key-only old tuple has the key).
-fn old_values(rel: &LocalRelation, old: &OldTuple) -> Vec<Option<ColumnValue>> {
+pub(super) fn old_values(rel: &LocalRelation, old: &OldTuple) -> Vec<Option<ColumnValue>> {
     match old {
         OldTuple::Full(t) => t.columns.iter().cloned().map(Some).collect(),
         OldTuple::Key(k) => match k.values(&rel.remote) {

@@ -143,12 +143,7 @@ impl Pipeline {
                     if n > 0
                         && let Some(rel) = &meta.relation
                     {
-                        tracing::warn!(
-                            relation = %rel,
-                            orphans = n,
-                            commit_lsn = %meta.txn.commit_lsn,
-                            "foreign key orphan: a row references a parent row that is gone (concurrent insert and delete on two nodes); kept, logged in mm.conflict_log as foreign_key_orphan"
-                        );
+                        super::fk::warn_orphans(rel, n, meta.txn.commit_lsn);
                         for _ in 0..n {
                             self.orphans.push((super::fk::ORPHAN, Arc::clone(rel)));
                         }
