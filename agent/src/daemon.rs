@@ -168,11 +168,16 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         }
         .run(raft.cluster()),
     );
+    let compensator = tokio::spawn(crate::compensate::run(
+        cfg.postgres.dsn.clone(),
+        local.password.clone(),
+    ));
     let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
 
     shutdown_signal().await;
     info!(node = %name, "shutting down");
     reconciler.abort();
+    compensator.abort();
     lag_probe.abort();
     watermark_task.abort();
     server.abort();

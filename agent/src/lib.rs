@@ -13,6 +13,7 @@ pub mod raft;
 // Data plane.
 pub mod apply;
 pub mod cluster;
+pub mod compensate;
 pub mod conflict;
 pub mod daemon;
 pub mod lag;

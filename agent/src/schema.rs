@@ -12,6 +12,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("sql/0001_base.sql")),
     (2, include_str!("sql/0002_counters.sql")),
     (3, include_str!("sql/0003_truncates.sql")),
+    (4, include_str!("sql/0004_compensations.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

@@ -231,10 +231,18 @@ pub struct PendingResponse {
     pub first_commit_ts: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-/// `GET /v1/wal-lsn`: the local PostgreSQL's current WAL insert position.
+/// `GET /v1/wal-lsn`: the local PostgreSQL's current WAL insert position,
+/// taken after the node sent the compensating deletes that were due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WalLsnResponse {
     pub lsn: Lsn,
+    /// Compensating deletes this node ever recorded: `wait-sync` is done
+    /// only when a round added none anywhere.
+    #[serde(default)]
+    pub compensations: u64,
+    /// Recorded ones not sent yet (waiting for the clock to pass them).
+    #[serde(default)]
+    pub compensations_waiting: u64,
 }
 
 /// `POST /v1/skip`: on the addressed node, skip the transaction of node

@@ -823,13 +823,16 @@ async fn lww_two_keys_moved_onto_one_key() -> Result<()> {
     for i in 0..3 {
         assert_rows(&c, i, DUMP_T, want).await?;
     }
+    // A key change is a delete of the old key and an insert at the new
+    // one: the old keys go without conflict (their rows were the seed's),
+    // the two inserts at key 6 meet, and the later one wins on both.
     assert_log(
         &c,
         0,
         vec![logged(
             "update_exists",
             "public.t",
-            r#"{"id": 5}"#,
+            r#"{"id": 6}"#,
             Some(&wa),
             &wb,
             "apply_remote",
@@ -842,13 +845,120 @@ async fn lww_two_keys_moved_onto_one_key() -> Result<()> {
         vec![logged(
             "update_exists",
             "public.t",
-            r#"{"id": 4}"#,
+            r#"{"id": 6}"#,
             Some(&wb),
             &wa,
-            "deleted",
+            "keep_local",
         )],
     )
     .await
+}
+
+/// A key change races a later update of the row's OLD key on another node:
+/// A moves row 1 to key 2; B, not having seen it, updates row 1. A key
+/// change is a delete of the old key and an insert at the new one, each
+/// judged on its own key: B's update is newer than the delete of key 1, so
+/// key 1 keeps B's row, and key 2 gets the moved row, on every node. Before
+/// key changes were split so, B kept only row 1 (the move lost to its newer
+/// version) and A had both rows (no tombstone for key 1: B's update came
+/// back as an insert).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_key_change_vs_later_update_of_the_old_key() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lkc1", "lkc2", "lkc3"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'one')").await?;
+    for (from, to) in [
+        ("lkc1", "lkc2"),
+        ("lkc2", "lkc1"),
+        ("lkc1", "lkc3"),
+        ("lkc2", "lkc3"),
+    ] {
+        c.pause(from, to).await?;
+    }
+    write(&c, 0, "UPDATE t SET id = 2 WHERE id = 1").await?;
+    write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    // The third node gets B's update first, then the older move.
+    c.resume("lkc2", "lkc3").await?;
+    c.wait_for(
+        2,
+        "SELECT v FROM t WHERE id = 1",
+        "b",
+        Duration::from_secs(30),
+    )
+    .await?;
+    for (from, to) in [("lkc1", "lkc3"), ("lkc1", "lkc2"), ("lkc2", "lkc1")] {
+        c.resume(from, to).await?;
+    }
+    c.wait_sync(90).await?;
+    let want: &[&[&str]] = &[&["1", "b"], &["2", "one"]];
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_T, want).await?;
+    }
+    // The originating node recorded the old key's delete (mm_key_changes).
+    let tomb = c.pg[0]
+        .query_one_string("SELECT count(*) FROM mm.tombstones WHERE key = '{\"id\": 1}'")
+        .await?;
+    ensure!(
+        tomb.as_deref() == Some("1"),
+        "no tombstone for the moved-away key on lkc1: {tomb:?}"
+    );
+    Ok(())
+}
+
+/// A chain the per-key rules alone cannot settle: A moves row 1 onto email
+/// 'K'; later B moves row 2 onto 'K' and then away to 'M'. Where B's first
+/// change meets A's (on A), row 1 gives way; a node that gets B's changes
+/// before A's never sees the two at once and would keep row 1. A's node
+/// sends a compensating delete of row 1 after the collision, newer than
+/// both, and every node ends without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_unique_collision_compensates_on_nodes_that_never_saw_it() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["luc1", "luc2", "luc3"], U_SCHEMA, Res::Lww).await?;
+    seed(
+        &c,
+        "INSERT INTO u VALUES (1, 'x1', 'init'), (2, 'x2', 'init')",
+    )
+    .await?;
+    for (from, to) in [
+        ("luc1", "luc2"),
+        ("luc2", "luc1"),
+        ("luc1", "luc3"),
+        ("luc2", "luc3"),
+    ] {
+        c.pause(from, to).await?;
+    }
+    write(&c, 0, "UPDATE u SET email = 'K', v = 'a' WHERE id = 1").await?;
+    write(&c, 1, "UPDATE u SET email = 'K', v = 'b' WHERE id = 2").await?;
+    write(&c, 1, "UPDATE u SET email = 'M' WHERE id = 2").await?;
+    // luc3 and luc2 see B's move away before A's change arrives: no
+    // collision there. luc1 gets B's changes while holding row 1 at 'K'.
+    c.resume("luc2", "luc3").await?;
+    c.wait_for(
+        2,
+        "SELECT email FROM u WHERE id = 2",
+        "M",
+        Duration::from_secs(30),
+    )
+    .await?;
+    c.resume("luc1", "luc3").await?;
+    c.resume("luc1", "luc2").await?;
+    c.resume("luc2", "luc1").await?;
+    c.wait_sync(90).await?;
+    let want: &[&[&str]] = &[&["2", "M", "b"]];
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_U, want).await?;
+    }
+    let sent = c.pg[0]
+        .query_one_string(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM mm.compensations_id_seq",
+        )
+        .await?;
+    ensure!(
+        sent.as_deref() == Some("1"),
+        "luc1 recorded {sent:?} compensating deletes, want 1"
+    );
+    Ok(())
 }
 
 /// A's insert (1, 'e2') meets B's rows (1, 'e1') and (2, 'e2'): on B it

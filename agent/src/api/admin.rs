@@ -213,6 +213,16 @@ pub(super) async fn wal_lsn(State(s): State<AppState>) -> Result<Json<WalLsnResp
     let client = crate::pg::connect(&s.local_dsn, s.local_password.as_deref())
         .await
         .map_err(|e| ApiError::unavailable(format!("local PostgreSQL: {e}")))?;
+    let unavailable = |what: &str, e: tokio_postgres::Error| {
+        ApiError::unavailable(format!("local PostgreSQL: {what}: {e}"))
+    };
+    // Due compensating deletes first, so the position covers them.
+    let compensations_waiting = crate::compensate::drain(&client)
+        .await
+        .map_err(|e| unavailable("sending compensating deletes", e))?;
+    let compensations = crate::compensate::recorded(&client)
+        .await
+        .map_err(|e| unavailable("mm.compensations", e))?;
     let row = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await
@@ -227,7 +237,11 @@ pub(super) async fn wal_lsn(State(s): State<AppState>) -> Result<Json<WalLsnResp
     let lsn: Lsn = text
         .parse()
         .map_err(|e| ApiError::internal(format!("pg_current_wal_lsn(): {e}")))?;
-    Ok(Json(WalLsnResponse { lsn }))
+    Ok(Json(WalLsnResponse {
+        lsn,
+        compensations,
+        compensations_waiting,
+    }))
 }
 
 /// Peeks at `from`'s slot for this node (see `PendingRequest`).

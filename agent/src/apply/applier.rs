@@ -723,6 +723,9 @@ impl Applier {
                     self.delete(pipe, txn, &guard, d, None).await?
                 }
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
+                Message::Message(m) if super::compensation::is_compensation(&m) => {
+                    return Err(ApplyFailure::to_careful(None, "a compensating delete"));
+                }
                 Message::Message(m) if is_partition_truncate(&m) => {
                     let stmt = Self::prepare_settled(
                         pipe,
@@ -1249,6 +1252,11 @@ impl Applier {
         }
         let mut params = tuple_params(&upd.new, rel, Some(&set_mask))?;
         let (match_mask, match_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
+        // A key change is a delete of the old key and an insert at the new
+        // one, each judged on its own key (careful::careful_move).
+        if super::careful::key_changed(rel, &upd, &match_params) {
+            return Err(ApplyFailure::to_careful(Some(&display), "a key change"));
+        }
         let loc_params = match_params.len();
         params.extend(match_params);
         params.extend(guard.iter().cloned());

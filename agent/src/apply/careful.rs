@@ -26,11 +26,12 @@ use super::pipeline::Done;
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
 use super::{Applier, ApplyFailure, Param};
-use crate::conflict::{Conflict, ConflictType, Resolution, ResolverChoice, resolution_label};
+use crate::conflict::classify::{self, Detection, Facts, Local, Op, Plan, Seen, Write};
+use crate::conflict::{Conflict, ConflictType, Resolution, ResolverChoice};
 
 /// A local row (or a tombstone) and its version.
 #[derive(Debug, Clone)]
-struct Version {
+pub(super) struct Version {
     /// `None` for a tombstone.
     ctid: Option<String>,
     row: Option<Value>,
@@ -42,7 +43,7 @@ struct Version {
 
 /// What one careful transaction did, for status and metrics.
 #[derive(Default)]
-struct Outcome {
+pub(super) struct Outcome {
     rows: u64,
     conflicts: Vec<(&'static str, Arc<str>)>,
 }
@@ -86,6 +87,9 @@ impl Applier {
                             .execute(sql::APPLY_TRUNCATE, &params_ref(&params))
                             .await
                             .map_err(pg)?;
+                    }
+                    Message::Message(m) if super::compensation::is_compensation(&m) => {
+                        self.careful_compensation(meta, &m, &mut out).await?
                     }
                     Message::Message(m) if super::applier::is_partition_truncate(&m) => {
                         let params = super::applier::partition_truncate_params(&m, meta);
@@ -181,7 +185,7 @@ impl Applier {
     }
 
     /// The locked target row, found by `loc` with `params`.
-    async fn fetch_target(
+    pub(super) async fn fetch_target(
         &self,
         rel: &LocalRelation,
         loc: &Locator,
@@ -283,50 +287,6 @@ impl Applier {
         }))
     }
 
-    /// A change older than (or as old as) the last TRUNCATE of its table is
-    /// discarded, whatever the resolver: the truncate wins over every older
-    /// change from any origin, on every node (and `mm.apply_truncate` keeps
-    /// rows newer than it), so all nodes end alike. Logged like a change
-    /// meeting a tombstone. True when the change was discarded.
-    #[allow(clippy::too_many_arguments)]
-    async fn discard_if_truncated(
-        &mut self,
-        meta: &TxnMeta,
-        oid: u32,
-        kind: ConflictType,
-        remote_old: Option<&OldTuple>,
-        remote_new: Option<&TupleData>,
-        out: &mut Outcome,
-    ) -> Result<bool, ApplyFailure> {
-        let rel = self.rel(oid)?;
-        let Some(tr) = self.fetch_truncate(rel).await? else {
-            return Ok(false);
-        };
-        let older = match tr.ts {
-            Some(ts) => remote_ts(meta) <= ts && !tr.this_txn,
-            None => false,
-        };
-        if !older {
-            return Ok(false);
-        }
-        let old_json = match remote_old {
-            Some(o) => Some(self.old_json(rel, o).await?),
-            None => None,
-        };
-        let new_json = match remote_new {
-            Some(n) => Some(self.tuple_json(rel, &n.columns, |_| true).await?),
-            None => None,
-        };
-        let key = old_json
-            .as_ref()
-            .or(new_json.as_ref())
-            .and_then(|v| key_of(rel, v));
-        let c = self.conflict(kind, rel, meta, Some(&tr), old_json, new_json);
-        self.log_conflict(rel, meta, &c, key, "keep_local", out)
-            .await?;
-        Ok(true)
-    }
-
     async fn write_tombstone(
         &self,
         rel: &LocalRelation,
@@ -353,7 +313,7 @@ impl Applier {
 
     /// A tuple as the jsonb object a local row of the table would be;
     /// columns not sent are left out.
-    async fn tuple_json(
+    pub(super) async fn tuple_json(
         &self,
         rel: &LocalRelation,
         cols: &[ColumnValue],
@@ -545,27 +505,204 @@ impl Applier {
         }
     }
 
+    /// A local version as the rules see it.
+    fn seen(&self, v: &Version, rts: DateTime<Utc>) -> Seen {
+        Seen {
+            routine: self.no_conflict(v, rts),
+            ts: v.ts,
+            origin: self.origin_name(v),
+        }
+    }
+
+    /// The rules' facts from what was found.
+    fn facts(&self, op: Op, found: &Found, rts: DateTime<Utc>) -> Facts {
+        Facts {
+            op,
+            target: found.target.as_ref().map(|v| self.seen(v, rts)),
+            tombstone: found.tombstone.as_ref().map(|v| self.seen(v, rts)),
+            collisions: found.collisions.iter().map(|v| self.seen(v, rts)).collect(),
+            truncated: found
+                .truncate
+                .as_ref()
+                .is_some_and(|t| !t.this_txn && t.ts.is_some_and(|ts| rts <= ts)),
+            target_beaten: false,
+        }
+    }
+
+    /// The table's truncate version when nothing is at the key (a row there
+    /// is newer than any truncate that left it).
+    async fn truncate_if_gone(
+        &self,
+        rel: &LocalRelation,
+        target: &Option<Version>,
+    ) -> Result<Option<Version>, ApplyFailure> {
+        match target {
+            Some(_) => Ok(None),
+            None => self.fetch_truncate(rel).await,
+        }
+    }
+
+    /// Detects, asks the resolver and plans, in one or two decisions (the
+    /// change's own key first, then the rows holding its unique values:
+    /// `Plan::next`). One conflict comes out for both: the first decision's
+    /// type, the second's versions and outcome.
+    async fn judge(
+        &self,
+        rel: &LocalRelation,
+        meta: &TxnMeta,
+        mut facts: Facts,
+        found: &Found,
+        remote_old: &Option<Value>,
+        remote_new: &Option<Value>,
+    ) -> Result<Judgement, ApplyFailure> {
+        let mut first_kind = None;
+        loop {
+            let (kind, local) = match classify::detect(&facts) {
+                Detection::Apply => return Ok(Judgement::Apply),
+                Detection::Truncated(kind) => return Ok(Judgement::Truncated(kind)),
+                Detection::Conflict { kind, local } => (kind, local),
+            };
+            let c = self.conflict(
+                first_kind.unwrap_or(kind),
+                rel,
+                meta,
+                found.version(local),
+                remote_old.clone(),
+                remote_new.clone(),
+            );
+            let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
+            let plan = classify::plan(&facts, local, &res);
+            if plan.next {
+                first_kind.get_or_insert(kind);
+                facts.target_beaten = true;
+                continue;
+            }
+            return Ok(Judgement::Decided(Box::new((c, plan))));
+        }
+    }
+
+    /// Carries a plan out (except `write: Change` / `AsInsert`, which the
+    /// caller does: only it has the statement) and records the compensating
+    /// deletes it asks for.
+    #[allow(clippy::too_many_arguments)]
+    async fn carry_out(
+        &self,
+        rel: &LocalRelation,
+        meta: &TxnMeta,
+        plan: &Plan,
+        found: &Found,
+        key_params: &[Param],
+        incoming: Option<&Value>,
+        c: &Conflict,
+    ) -> Result<(), ApplyFailure> {
+        if let Some(m) = &plan.error {
+            return Err(stop(
+                rel,
+                c,
+                incoming.and_then(|v| key_of(rel, v)).as_ref(),
+                m,
+            ));
+        }
+        if plan.delete_collisions {
+            let vs: Vec<&Version> = found.collisions.iter().collect();
+            self.delete_versions(rel, &vs).await?;
+        }
+        if plan.delete_target
+            && let Some(t) = &found.target
+        {
+            self.delete_versions(rel, &[t]).await?;
+        }
+        if let Write::Row(v) = &plan.write {
+            let over = found.target.as_ref().filter(|_| !plan.delete_target);
+            self.write_row(rel, v, over).await?;
+        }
+        if plan.tombstone && matches!(rel.locator, Locator::Key(_)) {
+            self.write_tombstone(rel, key_params).await?;
+        }
+        // Newer than every version involved, on this node's clock.
+        let mut not_before = remote_ts(meta);
+        for v in found
+            .target
+            .iter()
+            .chain(&found.collisions)
+            .filter_map(|v| v.ts)
+        {
+            not_before = not_before.max(v);
+        }
+        let mut keys: Vec<Value> = Vec::new();
+        if plan.compensate.incoming {
+            keys.extend(incoming.and_then(|v| key_of(rel, v)));
+        }
+        if plan.compensate.target {
+            keys.extend(
+                found
+                    .target
+                    .as_ref()
+                    .and_then(|t| t.row.as_ref())
+                    .and_then(|r| key_of(rel, r)),
+            );
+        }
+        if plan.compensate.collisions {
+            keys.extend(
+                found
+                    .collisions
+                    .iter()
+                    .filter_map(|v| v.row.as_ref())
+                    .filter_map(|r| key_of(rel, r)),
+            );
+        }
+        for key in keys {
+            tracing::info!(relation = %rel.display, key = %key,
+                "a row gave way on a unique value to a row at another key: its delete is sent to every node after this transaction commits");
+            self.exec(
+                rel,
+                "INSERT INTO mm.compensations (relid, key, not_before) VALUES ($1::oid, $2::jsonb, $3::timestamptz)",
+                &[
+                    Param::text(rel.relid.to_string()),
+                    Param::text(key.to_string()),
+                    Param::text(not_before.to_rfc3339()),
+                ],
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
     async fn careful_insert(
         &mut self,
         meta: &TxnMeta,
         ins: Insert,
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
-        if self
-            .discard_if_truncated(
-                meta,
-                ins.relation_oid,
-                ConflictType::InsertExists,
-                None,
-                Some(&ins.new),
-                out,
-            )
-            .await?
-        {
-            return Ok(());
-        }
-        let rel = self.rel(ins.relation_oid)?;
-        let params = tuple_params(&ins.new, rel, None)?;
+        self.careful_put(
+            meta,
+            ins.relation_oid,
+            Op::Insert,
+            &ins.new,
+            None,
+            false,
+            out,
+        )
+        .await
+    }
+
+    /// A new row at its key: an insert, the new key of a key change
+    /// (`Op::MovedIn`), or an update of a missing row that won
+    /// (`tombstone_beaten`). `new` is complete (no unchanged TOAST).
+    #[allow(clippy::too_many_arguments)]
+    async fn careful_put(
+        &mut self,
+        meta: &TxnMeta,
+        oid: u32,
+        op: Op,
+        new: &TupleData,
+        remote_old: Option<Value>,
+        tombstone_beaten: bool,
+        out: &mut Outcome,
+    ) -> Result<(), ApplyFailure> {
+        let rts = remote_ts(meta);
+        let rel = self.rel(oid)?;
+        let params = tuple_params(new, rel, None)?;
         let key_params: Vec<Param> = rel.key_remote.iter().map(|&i| params[i].clone()).collect();
         let target = match &rel.locator {
             Locator::Key(_) => self.fetch_target(rel, &rel.locator, &key_params).await?,
@@ -574,62 +711,89 @@ impl Applier {
         let collisions = self
             .fetch_collisions(
                 rel,
-                &ins.new.columns,
+                &new.columns,
                 target.as_ref().and_then(|t| t.ctid.as_deref()),
             )
             .await?;
+        let tombstone = match (&target, tombstone_beaten) {
+            (None, false) => self.fetch_tombstone(rel, &key_params).await?,
+            _ => None,
+        };
+        let truncate = self.truncate_if_gone(rel, &target).await?;
+        let found = Found {
+            target,
+            tombstone,
+            collisions,
+            truncate,
+        };
+        let facts = self.facts(op, &found, rts);
+        let remote_new = Some(self.tuple_json(rel, &new.columns, |_| true).await?);
+        let key = remote_new.as_ref().and_then(|v| key_of(rel, v));
         let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
         let plain_insert = sql::insert(&rel.table_sql, &cols);
-        let (kind, local) = match (&target, collisions.first()) {
-            (None, None) => {
-                let tomb = self.fetch_tombstone(rel, &key_params).await?;
-                match tomb {
-                    Some(t) if !self.no_conflict(&t, remote_ts(meta)) => {
-                        (ConflictType::InsertExists, Some(t))
-                    }
-                    other => {
-                        let rel = self.rel(ins.relation_oid)?;
-                        out.rows += self.exec(rel, &plain_insert, &params).await?;
-                        if let Some(t) = other {
-                            self.note_routine(&t);
-                        }
-                        return Ok(());
-                    }
-                }
-            }
-            (Some(t), None) => (ConflictType::InsertExists, Some(t.clone())),
-            (None, Some(c)) if collisions.len() == 1 => {
-                (ConflictType::InsertExists, Some(c.clone()))
-            }
-            (t, Some(c)) => (
-                ConflictType::MultipleUniqueConflicts,
-                Some(t.clone().unwrap_or_else(|| c.clone())),
-            ),
-        };
-        let rel = self.rel(ins.relation_oid)?;
-        let remote_new = self.tuple_json(rel, &ins.new.columns, |_| true).await?;
-        let key = key_of(rel, &remote_new);
-        let c = self.conflict(kind, rel, meta, local.as_ref(), None, Some(remote_new));
-        let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
-        let involved: Vec<&Version> = target.iter().chain(collisions.iter()).collect();
-        let label = resolution_label(&res, !involved.is_empty());
-        match &res {
-            Resolution::ApplyRemote => {
-                self.delete_versions(rel, &involved).await?;
+        let (c, plan) = match self
+            .judge(rel, meta, facts, &found, &remote_old, &remote_new)
+            .await?
+        {
+            Judgement::Apply => {
                 out.rows += self.exec(rel, &plain_insert, &params).await?;
+                if let Some(t) = &found.tombstone {
+                    self.note_routine(t);
+                }
+                return Ok(());
             }
-            Resolution::KeepLocal => {}
-            Resolution::Row(v) => {
-                self.delete_versions(rel, &involved).await?;
-                self.write_row(rel, v, None).await?;
+            Judgement::Truncated(kind) => {
+                return self
+                    .log_truncated(oid, meta, kind, &found, remote_old, remote_new, out)
+                    .await;
             }
-            Resolution::NoRow => {
-                self.delete_versions(rel, &involved).await?;
-                self.write_tombstone(rel, &key_params).await?;
-            }
-            Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
+            Judgement::Decided(d) => *d,
+        };
+        let rel = self.rel(oid)?;
+        self.carry_out(
+            rel,
+            meta,
+            &plan,
+            &found,
+            &key_params,
+            remote_new.as_ref(),
+            &c,
+        )
+        .await?;
+        if plan.write == Write::Change {
+            // Over an existing row: carry_out deleted it (delete_target).
+            out.rows += self.exec(rel, &plain_insert, &params).await?;
         }
-        self.log_conflict(rel, meta, &c, key, label, out).await
+        self.log_conflict(rel, meta, &c, key, plan.label, out).await
+    }
+
+    /// Logs a change discarded for being older than its table's truncate.
+    #[allow(clippy::too_many_arguments)]
+    async fn log_truncated(
+        &mut self,
+        oid: u32,
+        meta: &TxnMeta,
+        kind: ConflictType,
+        found: &Found,
+        remote_old: Option<Value>,
+        remote_new: Option<Value>,
+        out: &mut Outcome,
+    ) -> Result<(), ApplyFailure> {
+        let rel = self.rel(oid)?;
+        let key = remote_old
+            .as_ref()
+            .or(remote_new.as_ref())
+            .and_then(|v| key_of(rel, v));
+        let c = self.conflict(
+            kind,
+            rel,
+            meta,
+            found.truncate.as_ref(),
+            remote_old,
+            remote_new,
+        );
+        self.log_conflict(rel, meta, &c, key, "keep_local", out)
+            .await
     }
 
     /// Writes a row a resolver chose: over the local row `over`, or as a
@@ -784,16 +948,93 @@ impl Applier {
         Ok(OriginRow::Fetched(full))
     }
 
+    /// Unchanged-TOAST columns of `new` filled with the local row's values
+    /// (the row at `at`, `tableoid:ctid`): right when that row is the
+    /// version the publisher changed (no conflict with it).
+    async fn complete_from_local(
+        &self,
+        rel: &LocalRelation,
+        new: &TupleData,
+        at: &str,
+    ) -> Result<TupleData, ApplyFailure> {
+        let missing: Vec<usize> = unchanged_mask(new)
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| **u)
+            .map(|(i, _)| i)
+            .collect();
+        let cols: Vec<String> = missing
+            .iter()
+            .map(|&i| format!("r.{}::text", sql::quote_ident(&rel.local_names[i])))
+            .collect();
+        let text = format!(
+            "SELECT {} FROM {} AS r WHERE {}",
+            cols.join(", "),
+            rel.table_sql,
+            sql::at_row(1)
+        );
+        let row = self
+            .client
+            .query_one(&text, &params_ref(&[Param::text(at.to_owned())]))
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+        let mut full = new.clone();
+        for (n, &i) in missing.iter().enumerate() {
+            let v: Option<String> = row.try_get(n).map_err(|e| fail(rel, e.to_string()))?;
+            full.columns[i] = match v {
+                Some(v) => ColumnValue::Text(bytes::Bytes::from(v)),
+                None => ColumnValue::Null,
+            };
+        }
+        Ok(full)
+    }
+
+    /// The MM002 failure for an update whose new row must be written whole
+    /// but whose unchanged-TOAST values nobody can give yet.
+    fn toast_unavailable(
+        rel: &LocalRelation,
+        kind: &str,
+        key: Option<&Value>,
+        new: &TupleData,
+    ) -> ApplyFailure {
+        let unsent: Vec<&str> = rel
+            .local_names
+            .iter()
+            .zip(unchanged_mask(new))
+            .filter(|(_, u)| *u)
+            .map(|(n, _)| n.as_str())
+            .collect();
+        ApplyFailure {
+            // May pass by itself (the row can still arrive from its origin
+            // through a third node), so wait-sync keeps waiting.
+            sqlstate: Some("MM002".to_owned()),
+            ..fail(
+                rel,
+                format!(
+                    "{kind}: key {} must be written as a new row, but the publisher sent columns {} \
+                     as unchanged TOAST (values not in the stream) and its row is not available; \
+                     NOT writing NULL for them. Unresolved: waiting for the row to arrive from another \
+                     node (retrying), or `mmctl skip` this transaction",
+                    key.map_or("?".into(), Value::to_string),
+                    unsent.join(", ")
+                ),
+            )
+        }
+    }
+
     async fn careful_update(
         &mut self,
         meta: &TxnMeta,
         mut upd: Update,
         out: &mut Outcome,
     ) -> Result<(), ApplyFailure> {
-        let rel = self.rel(upd.relation_oid)?;
-        // The row is found by the key (or the old row), which the values
-        // completed below never change: located once.
+        let oid = upd.relation_oid;
+        let rts = remote_ts(meta);
+        let rel = self.rel(oid)?;
         let (match_mask, loc_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
+        if key_changed(rel, &upd, &loc_params) {
+            return self.careful_move(meta, upd, loc_params, out).await;
+        }
         let loc = masked_locator(rel, &match_mask);
         let target = self.fetch_target(rel, &loc, &loc_params).await?;
         // A conflicting update with unchanged-TOAST columns: complete it
@@ -806,15 +1047,10 @@ impl Applier {
             .iter()
             .any(|c| matches!(c, ColumnValue::UnchangedToast))
         {
-            let conflicting = target
-                .as_ref()
-                .is_none_or(|t| !self.no_conflict(t, remote_ts(meta)))
-                || self.base_may_be_stale(remote_ts(meta));
+            let conflicting = target.as_ref().is_none_or(|t| !self.no_conflict(t, rts))
+                || self.base_may_be_stale(rts);
             if conflicting {
-                match self
-                    .fetch_unchanged(upd.relation_oid, &upd.new, remote_ts(meta))
-                    .await?
-                {
+                match self.fetch_unchanged(oid, &upd.new, rts).await? {
                     OriginRow::Fetched(full) => upd.new = full,
                     OriginRow::Gone => gone_on_origin = true,
                     OriginRow::Unavailable(why) => {
@@ -823,10 +1059,10 @@ impl Applier {
                 }
             }
         }
-        let rel = self.rel(upd.relation_oid)?;
+        let rel = self.rel(oid)?;
         let set_mask = rel.set_mask(&upd.new);
-        let toast_mask = unchanged_mask(&upd.new);
-        let set_params = tuple_params(&upd.new, rel, Some(&set_mask))?;
+        let mut update_params = tuple_params(&upd.new, rel, Some(&set_mask))?;
+        update_params.extend(loc_params.iter().cloned());
         let set_cols: Vec<&str> = rel
             .local_names
             .iter()
@@ -834,8 +1070,6 @@ impl Applier {
             .filter(|(_, skip)| !**skip)
             .map(|(n, _)| n.as_str())
             .collect();
-        let mut update_params = set_params.clone();
-        update_params.extend(loc_params.iter().cloned());
         let plain_update = sql::update(&rel.table_sql, &set_cols, &loc);
         let remote_old = match &upd.old {
             Some(old) => Some(self.old_json(rel, old).await?),
@@ -843,213 +1077,159 @@ impl Applier {
         };
         let remote_new = self.tuple_json(rel, &upd.new.columns, |_| true).await?;
         let key = key_of(rel, remote_old.as_ref().unwrap_or(&remote_new));
-        let rts = remote_ts(meta);
-        let Some(t) = target else {
-            if self
-                .discard_if_truncated(
-                    meta,
-                    upd.relation_oid,
-                    ConflictType::UpdateDeleted,
-                    upd.old.as_ref(),
-                    Some(&upd.new),
-                    out,
-                )
-                .await?
-            {
+        let collisions = match &target {
+            Some(t) => {
+                self.fetch_collisions(rel, &upd.new.columns, t.ctid.as_deref())
+                    .await?
+            }
+            None => Vec::new(),
+        };
+        let tombstone = match (&target, &rel.locator) {
+            (None, Locator::Key(_)) => self.fetch_tombstone(rel, &loc_params).await?,
+            _ => None,
+        };
+        let truncate = self.truncate_if_gone(rel, &target).await?;
+        let found = Found {
+            target,
+            tombstone,
+            collisions,
+            truncate,
+        };
+        let facts = self.facts(Op::Update, &found, rts);
+        let remote_new = Some(remote_new);
+        let (c, plan) = match self
+            .judge(rel, meta, facts, &found, &remote_old, &remote_new)
+            .await?
+        {
+            Judgement::Apply => {
+                out.rows += self.exec(rel, &plain_update, &update_params).await?;
+                if let Some(t) = &found.target {
+                    self.note_routine(t);
+                }
                 return Ok(());
             }
-            let rel = self.rel(upd.relation_oid)?;
-            // The row is gone here: deleted (tombstone) or never arrived.
-            // An update that changed the key is, for that key, an insert:
-            // what decides is the NEW key's history (its tombstone, rows
-            // there now), not the old key's. The old key is gone either
-            // way; a newer delete of it must not take the new row along,
-            // or the nodes that moved the row first would keep it and the
-            // others would not.
-            let new_key: Vec<Param> = rel
-                .key_remote
-                .iter()
-                .map(|&i| match upd.new.columns.get(i) {
-                    Some(ColumnValue::Text(b)) => Param::Text(b.clone()),
-                    _ => Param::Null,
-                })
-                .collect();
-            let key_changed = upd.old.is_some()
-                && new_key.iter().zip(&loc_params).any(|(n, o)| match (n, o) {
-                    (Param::Text(a), Param::Text(b)) => a != b,
-                    _ => true,
-                });
-            let key_params: Vec<Param> = match &rel.locator {
-                Locator::Key(_) if key_changed => new_key,
-                Locator::Key(_) => loc_params.clone(),
-                Locator::AllColumns(_) => Vec::new(),
-            };
-            let tomb = self.fetch_tombstone(rel, &key_params).await?;
-            let kind = if tomb.is_some() {
-                ConflictType::UpdateDeleted
-            } else {
-                ConflictType::UpdateMissing
-            };
-            let c = self.conflict(kind, rel, meta, tomb.as_ref(), remote_old, Some(remote_new));
-            let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
-            match &res {
-                Resolution::ApplyRemote => {
-                    let unsent: Vec<&str> = rel
-                        .local_names
-                        .iter()
-                        .zip(&toast_mask)
-                        .filter(|(_, u)| **u)
-                        .map(|(n, _)| n.as_str())
-                        .collect();
-                    if !unsent.is_empty() && gone_on_origin {
-                        // Deleted on its origin since: that delete arrives
-                        // after this change and removes the row everywhere;
-                        // inserting it now would need values nobody has.
-                        tracing::info!(relation = %rel.display, kind = kind.as_str(),
-                            "update of a missing row with unchanged TOAST columns: the row is gone on its origin too; not inserting it");
-                        return self
-                            .log_conflict(rel, meta, &c, key, "keep_local", out)
-                            .await;
-                    }
-                    if !unsent.is_empty() {
-                        // MM002: may pass by itself (the row can still
-                        // arrive from its origin through a third node), so
-                        // wait-sync keeps waiting instead of failing.
-                        return Err(ApplyFailure {
-                            sqlstate: Some("MM002".to_owned()),
-                            ..fail(
-                                rel,
-                                format!(
-                                    "{kind}: key {} is missing here and the update must become an insert, \
-                                 but the publisher sent columns {} as unchanged TOAST (values not in the stream); \
-                                 NOT writing NULL for them. Unresolved: waiting for the row to arrive from \
-                                 another node (retrying), or `mmctl skip` this transaction",
-                                    key.as_ref().map_or("?".into(), Value::to_string),
-                                    unsent.join(", ")
-                                ),
-                            )
-                        });
-                    }
-                    // The row it becomes may collide with others (its new
-                    // key, or a unique value, taken here meanwhile): a
-                    // second decision, as for an insert over them.
-                    let collisions = self.fetch_collisions(rel, &upd.new.columns, None).await?;
-                    if !collisions.is_empty() {
-                        self.log_conflict(rel, meta, &c, key.clone(), "apply_remote", out)
-                            .await?;
-                        let rel = self.rel(upd.relation_oid)?;
-                        let kind = if collisions.len() == 1 {
-                            ConflictType::UpdateExists
-                        } else {
-                            ConflictType::MultipleUniqueConflicts
-                        };
-                        let remote_new = c.remote_new.clone();
-                        let c2 = self.conflict(
-                            kind,
-                            rel,
-                            meta,
-                            Some(&collisions[0]),
-                            c.remote_old.clone(),
-                            remote_new,
-                        );
-                        let res2 = Self::classify_row(self.resolve(rel, &c2).await?, &c2);
-                        let involved: Vec<&Version> = collisions.iter().collect();
-                        let label = match &res2 {
-                            Resolution::ApplyRemote => {
-                                self.delete_versions(rel, &involved).await?;
-                                let cols: Vec<&str> =
-                                    rel.local_names.iter().map(String::as_str).collect();
-                                let params = tuple_params(&upd.new, rel, None)?;
-                                out.rows += self
-                                    .exec(rel, &sql::insert(&rel.table_sql, &cols), &params)
-                                    .await?;
-                                "apply_remote"
-                            }
-                            Resolution::Row(v) => {
-                                self.delete_versions(rel, &involved).await?;
-                                self.write_row(rel, v, None).await?;
-                                "merged"
-                            }
-                            Resolution::KeepLocal | Resolution::NoRow => "keep_local",
-                            Resolution::Error(m) => return Err(stop(rel, &c2, key.as_ref(), m)),
-                        };
-                        return self.log_conflict(rel, meta, &c2, key, label, out).await;
-                    }
-                    let rel = self.rel(upd.relation_oid)?;
-                    let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-                    let params = tuple_params(&upd.new, rel, None)?;
-                    out.rows += self
-                        .exec(rel, &sql::insert(&rel.table_sql, &cols), &params)
-                        .await?;
-                }
-                Resolution::KeepLocal | Resolution::NoRow => {}
-                Resolution::Row(v) => {
-                    self.write_row(rel, v, None).await?;
-                }
-                Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
+            Judgement::Truncated(kind) => {
+                return self
+                    .log_truncated(oid, meta, kind, &found, remote_old, remote_new, out)
+                    .await;
             }
-            let label = resolution_label(&res, false);
-            return self.log_conflict(rel, meta, &c, key, label, out).await;
+            Judgement::Decided(d) => *d,
         };
-        let collisions = self
-            .fetch_collisions(rel, &upd.new.columns, t.ctid.as_deref())
-            .await?;
-        let clean = self.no_conflict(&t, rts);
-        if clean && collisions.is_empty() {
-            let rel = self.rel(upd.relation_oid)?;
+        let rel = self.rel(oid)?;
+        let kind = c.kind;
+        if plan.write == Write::AsInsert {
+            // The row is gone here and the update wins: it becomes an
+            // insert of its new row, which needs every column.
+            if unchanged_mask(&upd.new).iter().any(|u| *u) {
+                if gone_on_origin {
+                    // Deleted on its origin since: that delete arrives
+                    // after this change and removes the row everywhere;
+                    // inserting it now would need values nobody has.
+                    tracing::info!(relation = %rel.display, kind = kind.as_str(),
+                        "update of a missing row with unchanged TOAST columns: the row is gone on its origin too; not inserting it");
+                    return self
+                        .log_conflict(rel, meta, &c, key, "keep_local", out)
+                        .await;
+                }
+                return Err(Self::toast_unavailable(
+                    rel,
+                    kind.as_str(),
+                    key.as_ref(),
+                    &upd.new,
+                ));
+            }
+            self.log_conflict(rel, meta, &c, key, plan.label, out)
+                .await?;
+            return self
+                .careful_put(meta, oid, Op::MovedIn, &upd.new, remote_old, true, out)
+                .await;
+        }
+        self.carry_out(
+            rel,
+            meta,
+            &plan,
+            &found,
+            &loc_params,
+            remote_new.as_ref(),
+            &c,
+        )
+        .await?;
+        if plan.write == Write::Change {
             out.rows += self.exec(rel, &plain_update, &update_params).await?;
-            self.note_routine(&t);
-            return Ok(());
         }
-        let (kind, local) = if !clean {
-            (ConflictType::UpdateOriginDiffers, &t)
-        } else if collisions.len() == 1 {
-            (ConflictType::UpdateExists, &collisions[0])
-        } else {
-            (ConflictType::MultipleUniqueConflicts, &collisions[0])
+        self.log_conflict(rel, meta, &c, key, plan.label, out).await
+    }
+
+    /// An update that changed the key: a delete of the old key and an
+    /// insert at the new one, each judged on its own key, so every node
+    /// ends with the same versions at both whatever else happened to them
+    /// (a node that applied a newer change to the old row keeps it, and
+    /// still gets the new one).
+    async fn careful_move(
+        &mut self,
+        meta: &TxnMeta,
+        upd: Update,
+        old_key: Vec<Param>,
+        out: &mut Outcome,
+    ) -> Result<(), ApplyFailure> {
+        let oid = upd.relation_oid;
+        let rts = remote_ts(meta);
+        let rel = self.rel(oid)?;
+        let target = self.fetch_target(rel, &rel.locator, &old_key).await?;
+        let remote_old = match &upd.old {
+            Some(old) => self.old_json(rel, old).await?,
+            None => Value::Null,
         };
-        let rel = self.rel(upd.relation_oid)?;
-        let c = self.conflict(kind, rel, meta, Some(local), remote_old, Some(remote_new));
-        let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
-        let mut label = resolution_label(&res, true);
-        let others: Vec<&Version> = collisions.iter().collect();
-        match &res {
-            Resolution::ApplyRemote => {
-                self.delete_versions(rel, &others).await?;
-                out.rows += self.exec(rel, &plain_update, &update_params).await?;
-            }
-            // Two rows moved onto one unique value at once: where the
-            // incoming change wins, the colliding row gives way (deleted,
-            // above); where it loses, the row it moved must go too, or that
-            // node would keep a row the other no longer has. Every node then
-            // keeps only the winner (docs/ARCHITECTURE.md, conflict table).
-            Resolution::KeepLocal if kind != ConflictType::UpdateOriginDiffers => {
-                self.delete_versions(rel, &[&t]).await?;
-                label = "deleted";
-                let shown = key
-                    .as_ref()
-                    .map_or_else(|| "?".to_owned(), |k| k.to_string());
-                tracing::info!(
-                    relation = %rel.display,
-                    key = %shown,
-                    conflict = kind.as_str(),
-                    "the incoming update lost on a unique value another row now holds: deleted the row it moved, as every node does"
-                );
-            }
-            Resolution::KeepLocal => {}
-            Resolution::Row(v) => {
-                self.delete_versions(rel, &others).await?;
-                self.write_row(rel, v, Some(&t)).await?;
-            }
-            Resolution::NoRow => {
-                self.delete_versions(rel, &[&t]).await?;
-                if matches!(rel.locator, Locator::Key(_)) {
-                    self.write_tombstone(rel, &loc_params).await?;
-                }
-            }
-            Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
+        // The new row whole: from the moved row if it is the version the
+        // publisher changed, else from the publisher.
+        let mut new = Some(upd.new.clone());
+        if unchanged_mask(&upd.new).iter().any(|u| *u) {
+            let local = target
+                .as_ref()
+                .filter(|t| self.no_conflict(t, rts) && !self.base_may_be_stale(rts))
+                .and_then(|t| t.ctid.clone());
+            new = match local {
+                Some(at) => Some(self.complete_from_local(rel, &upd.new, &at).await?),
+                None => match self.fetch_unchanged(oid, &upd.new, rts).await? {
+                    OriginRow::Fetched(full) => Some(full),
+                    // Changed again on its origin since: that change follows.
+                    OriginRow::Gone => None,
+                    OriginRow::Unavailable(why) => {
+                        let rel = self.rel(oid)?;
+                        let remote_new = self.tuple_json(rel, &upd.new.columns, |_| true).await?;
+                        tracing::debug!(why, "unchanged TOAST values of a moved row not available");
+                        return Err(Self::toast_unavailable(
+                            rel,
+                            "update_exists",
+                            key_of(rel, &remote_new).as_ref(),
+                            &upd.new,
+                        ));
+                    }
+                },
+            };
         }
-        self.log_conflict(rel, meta, &c, key, label, out).await
+        let rel = self.rel(oid)?;
+        let remote_new = self.tuple_json(rel, &upd.new.columns, |_| true).await?;
+        let wrote_row = self
+            .careful_remove(
+                meta,
+                oid,
+                Op::MovedOut,
+                target,
+                old_key,
+                remote_old.clone(),
+                Some(remote_new),
+                false,
+                out,
+            )
+            .await?;
+        match new {
+            Some(new) if !wrote_row => {
+                self.careful_put(meta, oid, Op::MovedIn, &new, Some(remote_old), false, out)
+                    .await
+            }
+            _ => Ok(()),
+        }
     }
 
     async fn careful_delete(
@@ -1062,70 +1242,147 @@ impl Applier {
         let (match_mask, loc_params) = locate(rel, Some(&del.old), None)?;
         let loc = masked_locator(rel, &match_mask);
         let target = self.fetch_target(rel, &loc, &loc_params).await?;
-        let keyed = matches!(rel.locator, Locator::Key(_));
-        let rts = remote_ts(meta);
-        if let Some(t) = &target
-            && self.no_conflict(t, rts)
-        {
-            let t = t.clone();
-            let rel = self.rel(del.relation_oid)?;
-            self.delete_versions(rel, &[&t]).await?;
-            if keyed {
-                self.write_tombstone(rel, &loc_params).await?;
-            }
-            out.rows += 1;
-            self.note_routine(&t);
-            return Ok(());
-        }
-        if target.is_none()
-            && self
-                .discard_if_truncated(
-                    meta,
-                    del.relation_oid,
-                    ConflictType::DeleteMissing,
-                    Some(&del.old),
-                    None,
-                    out,
-                )
-                .await?
-        {
-            return Ok(());
-        }
-        let rel = self.rel(del.relation_oid)?;
         let remote_old = self.old_json(rel, &del.old).await?;
-        let key = key_of(rel, &remote_old);
-        let (kind, local) = match &target {
-            Some(t) => (ConflictType::DeleteOriginDiffers, Some(t.clone())),
-            None => {
-                let tomb = if keyed {
-                    self.fetch_tombstone(rel, &loc_params).await?
-                } else {
-                    None
-                };
-                (ConflictType::DeleteMissing, tomb)
-            }
+        self.careful_remove(
+            meta,
+            del.relation_oid,
+            Op::Delete,
+            target,
+            loc_params,
+            remote_old,
+            None,
+            false,
+            out,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// A key going away: a delete, the old key of a key change
+    /// (`Op::MovedOut`), or a compensating delete from a peer. `target` is
+    /// the locked row found at it. True when a resolver's row was written
+    /// in its place (a key change then writes nothing at its new key).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn careful_remove(
+        &mut self,
+        meta: &TxnMeta,
+        oid: u32,
+        op: Op,
+        target: Option<Version>,
+        loc_params: Vec<Param>,
+        remote_old: Value,
+        remote_new: Option<Value>,
+        compensating: bool,
+        out: &mut Outcome,
+    ) -> Result<bool, ApplyFailure> {
+        let rts = remote_ts(meta);
+        let rel = self.rel(oid)?;
+        let keyed = matches!(rel.locator, Locator::Key(_));
+        let tombstone = match (&target, keyed) {
+            (None, true) => self.fetch_tombstone(rel, &loc_params).await?,
+            _ => None,
         };
-        let c = self.conflict(kind, rel, meta, local.as_ref(), Some(remote_old), None);
-        let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
-        let label = resolution_label(&res, target.is_some());
-        match &res {
-            Resolution::ApplyRemote | Resolution::NoRow => {
-                if let Some(t) = &target {
+        let truncate = self.truncate_if_gone(rel, &target).await?;
+        let found = Found {
+            target,
+            tombstone,
+            collisions: Vec::new(),
+            truncate,
+        };
+        let facts = self.facts(op, &found, rts);
+        let key = key_of(rel, &remote_old);
+        let remote_old = Some(remote_old);
+        let (c, plan) = match self
+            .judge(rel, meta, facts.clone(), &found, &remote_old, &remote_new)
+            .await?
+        {
+            Judgement::Apply => {
+                let plan = classify::plan_routine(&facts);
+                if let Some(t) = &found.target {
                     self.delete_versions(rel, &[t]).await?;
                     out.rows += 1;
                 }
-                if keyed {
+                if plan.tombstone && keyed {
                     self.write_tombstone(rel, &loc_params).await?;
                 }
+                if let Some(t) = found.target.clone() {
+                    self.note_routine(&t);
+                }
+                return Ok(false);
             }
-            Resolution::KeepLocal => {}
-            Resolution::Row(v) => {
-                self.write_row(rel, v, target.as_ref()).await?;
+            Judgement::Truncated(kind) => {
+                self.log_truncated(oid, meta, kind, &found, remote_old, remote_new, out)
+                    .await?;
+                return Ok(false);
             }
-            Resolution::Error(m) => return Err(stop(rel, &c, key.as_ref(), m)),
+            Judgement::Decided(d) => *d,
+        };
+        let kind = c.kind;
+        let rel = self.rel(oid)?;
+        self.carry_out(
+            rel,
+            meta,
+            &plan,
+            &found,
+            &loc_params,
+            remote_old.as_ref(),
+            &c,
+        )
+        .await?;
+        if plan.delete_target {
+            out.rows += 1;
         }
-        self.log_conflict(rel, meta, &c, key, label, out).await
+        // A compensating delete usually finds its key already gone (the
+        // collision removed it here too): expected, not a conflict.
+        if !(compensating && kind == ConflictType::DeleteMissing) {
+            self.log_conflict(rel, meta, &c, key, plan.label, out)
+                .await?;
+        }
+        Ok(matches!(plan.write, Write::Row(_)))
     }
+}
+
+/// What judging a change came to.
+enum Judgement {
+    Apply,
+    /// Older than the table's truncate (logged as this type).
+    Truncated(ConflictType),
+    Decided(Box<(Conflict, Plan)>),
+}
+
+/// The versions one change is judged against, as found under locks.
+struct Found {
+    target: Option<Version>,
+    tombstone: Option<Version>,
+    collisions: Vec<Version>,
+    truncate: Option<Version>,
+}
+
+impl Found {
+    fn version(&self, local: Local) -> Option<&Version> {
+        match local {
+            Local::Target => self.target.as_ref(),
+            Local::Tombstone => self.tombstone.as_ref(),
+            Local::Collision(i) => self.collisions.get(i),
+        }
+    }
+}
+
+/// Did this update change the row's key? (pgoutput sends the old key only
+/// then, or always with REPLICA IDENTITY FULL: compare.)
+pub(super) fn key_changed(rel: &LocalRelation, upd: &Update, old_key: &[Param]) -> bool {
+    if upd.old.is_none() || !matches!(rel.locator, Locator::Key(_)) {
+        return false;
+    }
+    rel.key_remote
+        .iter()
+        .zip(old_key)
+        .any(|(&i, o)| match (upd.new.columns.get(i), o) {
+            (Some(ColumnValue::Text(n)), Param::Text(o)) => n != o,
+            // A key column left unchanged-TOAST did not change.
+            (Some(ColumnValue::UnchangedToast), _) => false,
+            _ => true,
+        })
 }
 
 fn remote_ts(meta: &TxnMeta) -> DateTime<Utc> {

@@ -21,6 +21,7 @@
 
 mod applier;
 mod careful;
+mod compensation;
 mod fk;
 mod param;
 mod pipeline;
@@ -68,6 +69,16 @@ impl ApplyFailure {
             txn: None,
             conflict: false,
             signal: None,
+        }
+    }
+
+    /// Sends the transaction to the careful path without trying it on the
+    /// fast path (a change the fast path has no statement for).
+    pub fn to_careful(relation: Option<&str>, why: &str) -> Self {
+        ApplyFailure {
+            conflict: true,
+            signal: Some(Signal::Conflict),
+            ..ApplyFailure::new(relation, why)
         }
     }
 

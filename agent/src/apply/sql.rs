@@ -392,7 +392,8 @@ pub fn insert_json(table: &str, cols: &[&str]) -> String {
 }
 
 /// `tableoid:ctid` (as `fetch_rows` gives it) in param `$n`.
-fn at_row(n: usize) -> String {
+/// `tableoid:ctid` in param `$n` (as `fetch_rows` returns it) as a WHERE.
+pub fn at_row(n: usize) -> String {
     format!(
         "tableoid = pg_catalog.split_part(${n}, ':', 1)::oid AND ctid = pg_catalog.split_part(${n}, ':', 2)::tid"
     )

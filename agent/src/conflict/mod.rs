@@ -19,6 +19,7 @@
 //! it) so an update older than the delete cannot resurrect the row and a newer
 //! one can, whichever arrives first.
 
+pub mod classify;
 mod resolver;
 pub mod routine;
 

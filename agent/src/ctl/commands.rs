@@ -389,16 +389,27 @@ pub async fn wait_sync(
         .collect();
     let paused: BTreeSet<(String, String)> = first.paused.iter().cloned().collect();
 
-    let lsns = join_all(nodes.iter().map(|n| async move {
-        let r = c.get::<WalLsnResponse>(&n.api_url, "/v1/wal-lsn").await;
-        (n.name.clone(), r)
-    }))
-    .await;
-    let mut barrier = BTreeMap::new();
-    for (name, r) in lsns {
-        let lsn = r.map_err(|e| fail(format!("cannot read node {name}'s WAL position: {e}")))?;
-        barrier.insert(name, lsn.lsn);
-    }
+    // Each node's WAL position, after it sent the compensating deletes
+    // that were due (`compensate`), and how many it ever recorded.
+    let take_barrier = || async {
+        let lsns = join_all(nodes.iter().map(|n| async move {
+            let r = c.get::<WalLsnResponse>(&n.api_url, "/v1/wal-lsn").await;
+            (n.name.clone(), r)
+        }))
+        .await;
+        let mut barrier = BTreeMap::new();
+        let mut recorded = BTreeMap::new();
+        let mut waiting = 0;
+        for (name, r) in lsns {
+            let lsn =
+                r.map_err(|e| fail(format!("cannot read node {name}'s WAL position: {e}")))?;
+            barrier.insert(name.clone(), lsn.lsn);
+            recorded.insert(name, lsn.compensations);
+            waiting += lsn.compensations_waiting;
+        }
+        Ok::<_, CtlError>((barrier, recorded, waiting))
+    };
+    let (mut barrier, mut recorded, mut waiting) = take_barrier().await?;
 
     // (from, to) → last known description of why it is behind.
     let mut pending: BTreeMap<(String, String), String> = BTreeMap::new();
@@ -417,7 +428,9 @@ pub async fn wait_sync(
         }
     }
     let total = pending.len();
+    let all_pairs: Vec<(String, String)> = pending.keys().cloned().collect();
     let deadline = started + timeout;
+    let mut rounds = 1;
     loop {
         let targets: Vec<&NodeInfo> = nodes
             .iter()
@@ -468,7 +481,30 @@ pub async fn wait_sync(
             )));
         }
         if pending.is_empty() {
+            // Applying up to the barrier may have given rows up on unique
+            // values somewhere: their compensating deletes were sent after
+            // it. In sync only when a round added none on any node.
+            let (next, now_recorded, now_waiting) = take_barrier().await?;
+            if now_recorded != recorded || waiting > 0 || now_waiting > 0 {
+                barrier = next;
+                recorded = now_recorded;
+                waiting = now_waiting;
+                rounds += 1;
+                for k in &all_pairs {
+                    pending.insert(
+                        k.clone(),
+                        "compensating deletes sent since the barrier".into(),
+                    );
+                }
+                if Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+        }
+        if pending.is_empty() {
             let elapsed = started.elapsed().as_secs_f64();
+            tracing::debug!(rounds, "wait-sync rounds");
             let res = WaitSyncResult {
                 synced: true,
                 pairs: total,

@@ -69,6 +69,8 @@ $fn$;
 -- straight on a partition both leave their tombstone, keyed by the ROOT
 -- (the identity changes arrive under: publish_via_partition_root).
 -- Statement triggers with transition tables cannot cover partitions.
+-- Also the key-change trigger's function on every table (OLD is the row
+-- whose key went away).
 CREATE OR REPLACE FUNCTION mm.record_local_delete_row() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
@@ -90,8 +92,10 @@ $fn$;
 
 CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+#variable_conflict use_variable
 DECLARE
   parted boolean := (SELECT relkind = 'p' FROM pg_class WHERE oid = p_rel);
+  cols text[] := mm.key_columns(p_rel);
 BEGIN
   -- An older agent put a statement trigger on partitioned roots too.
   IF parted AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
@@ -110,6 +114,19 @@ BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
     EXECUTE format('CREATE TRIGGER mm_truncates AFTER TRUNCATE ON %s '
                    'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_truncate()', p_rel::regclass);
+  END IF;
+  -- A local update that changes a row's key deletes the old key: its
+  -- tombstone, or an older change to the old key arriving later would
+  -- bring it back here and not on the nodes that applied the move (apply
+  -- sessions write their own). The WHEN clause is evaluated without a
+  -- function call, so updates that keep the key cost nothing. Rows moving
+  -- between partitions fire the delete trigger instead.
+  IF cols IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes') THEN
+    EXECUTE format('CREATE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
+                   'EXECUTE FUNCTION mm.record_local_delete_row()',
+                   (SELECT string_agg(quote_ident(k), ', ') FROM unnest(cols) k),
+                   p_rel::regclass,
+                   (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k));
   END IF;
 END
 $fn$;
@@ -270,5 +287,65 @@ CREATE OR REPLACE FUNCTION mm.conflict() RETURNS boolean
 LANGUAGE plpgsql AS $fn$
 BEGIN
   RAISE EXCEPTION USING ERRCODE = 'MM001', MESSAGE = 'mm: conflict, resolving';
+END
+$fn$;
+
+-- A compensating delete (mm.compensations, schema version 4), run by the
+-- agent in an ordinary session after the applying transaction committed:
+-- deletes the key's row if one is back, raises its tombstone to this
+-- transaction's version, and sends the delete to every peer as the
+-- transactional logical message `mm.delete` (the row is usually gone
+-- here already, so there is no row change to replicate). Peers apply it as
+-- a delete of that key (apply/compensation.rs), through the same conflict
+-- rules as any delete; it is newer than every version involved
+-- (`not_before`), so it wins on every node. False: not yet (clock).
+CREATE OR REPLACE FUNCTION mm.compensate(p_id bigint) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
+SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
+#variable_conflict use_variable
+DECLARE
+  c record;
+  cols text[];
+  texts jsonb;
+  rel jsonb;
+BEGIN
+  SELECT * INTO c FROM mm.compensations WHERE id = p_id FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN true;
+  END IF;
+  IF clock_timestamp() <= c.not_before THEN
+    RETURN false;
+  END IF;
+  cols := mm.key_columns(c.relid);
+  IF cols IS NULL OR NOT EXISTS (SELECT 1 FROM pg_class WHERE oid = c.relid) THEN
+    RAISE WARNING 'mm: compensating delete % of relation % dropped: the table is gone or has no key', c.key, c.relid;
+    DELETE FROM mm.compensations WHERE id = p_id;
+    RETURN true;
+  END IF;
+  EXECUTE format('DELETE FROM %s r USING pg_catalog.jsonb_populate_record(NULL::%s, $1) p WHERE %s',
+                 c.relid::regclass, c.relid::regclass,
+                 (SELECT string_agg(format('r.%I = p.%I', k, k), ' AND ') FROM unnest(cols) k))
+    USING c.key;
+  EXECUTE format('SELECT pg_catalog.jsonb_build_object(%s) FROM pg_catalog.jsonb_populate_record(NULL::%s, $1) p',
+                 (SELECT string_agg(format('%L, p.%I::text', k, k), ', ') FROM unnest(cols) k),
+                 c.relid::regclass)
+    INTO texts USING c.key;
+  SELECT jsonb_build_object(
+           'oid', cl.oid::bigint, 'schema', n.nspname, 'table', cl.relname, 'replident', cl.relreplident::text,
+           'columns', (SELECT jsonb_agg(jsonb_build_object(
+                                'name', a.attname, 'type', a.atttypid::bigint, 'typmod', a.atttypmod,
+                                'key', CASE cl.relreplident WHEN 'f' THEN true WHEN 'n' THEN false
+                                       ELSE a.attname = ANY (cols) END) ORDER BY a.attnum)
+                         FROM pg_attribute a
+                        WHERE a.attrelid = cl.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''))
+    INTO rel
+    FROM pg_class cl JOIN pg_namespace n ON n.oid = cl.relnamespace
+   WHERE cl.oid = c.relid;
+  INSERT INTO mm.tombstones (relid, key) VALUES (c.relid, c.key)
+  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  PERFORM pg_logical_emit_message(true, 'mm.delete', jsonb_build_object('relation', rel, 'key', texts)::text);
+  DELETE FROM mm.compensations WHERE id = p_id;
+  RETURN true;
 END
 $fn$;

@@ -1,0 +1,68 @@
+//! The sending side of compensating deletes (see `conflict::classify` and
+//! `mm.compensate` in sql/functions.sql): the apply path records, in the
+//! transaction that gave a row up, the key to delete everywhere; this task
+//! runs each one in an ordinary local session once that transaction has
+//! committed, so the delete is published like any local one. A record is
+//! removed in the same transaction that sends it: each is sent once, and
+//! none is lost to a crash (it waits in `mm.compensations`).
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+use tracing::warn;
+
+const POLL: Duration = Duration::from_millis(200);
+
+/// Sends every recorded compensating delete whose time has come; returns
+/// how many are still waiting (their `not_before` is ahead of the clock).
+pub async fn drain(client: &Client) -> Result<u64, tokio_postgres::Error> {
+    let ids = client
+        .query("SELECT id FROM mm.compensations ORDER BY id", &[])
+        .await?;
+    let mut waiting = 0;
+    for row in ids {
+        let id: i64 = row.try_get(0)?;
+        let done: bool = client
+            .query_one("SELECT mm.compensate($1)", &[&id])
+            .await?
+            .try_get(0)?;
+        if !done {
+            waiting += 1;
+        }
+    }
+    Ok(waiting)
+}
+
+/// How many compensating deletes this node ever recorded: `wait-sync`
+/// compares it before and after a round to see whether new ones appeared.
+pub async fn recorded(client: &Client) -> Result<u64, tokio_postgres::Error> {
+    let n: i64 = client
+        .query_one(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM mm.compensations_id_seq",
+            &[],
+        )
+        .await?
+        .try_get(0)?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+pub async fn run(dsn: String, password: Option<String>) {
+    loop {
+        let client = match crate::pg::connect(&dsn, password.as_deref()).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "compensating deletes: cannot connect to the local PostgreSQL; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        loop {
+            if let Err(e) = drain(&client).await {
+                warn!(error = %e, "compensating deletes: sending failed; retrying");
+                break;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
