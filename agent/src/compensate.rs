@@ -16,6 +16,9 @@ const POLL: Duration = Duration::from_millis(200);
 /// Sends every recorded compensating delete whose time has come; returns
 /// how many are still waiting (their `not_before` is ahead of the clock).
 pub async fn drain(client: &Client) -> Result<u64, tokio_postgres::Error> {
+    if !installed(client).await? {
+        return Ok(0);
+    }
     let ids = client
         .query("SELECT id FROM mm.compensations ORDER BY id", &[])
         .await?;
@@ -36,6 +39,9 @@ pub async fn drain(client: &Client) -> Result<u64, tokio_postgres::Error> {
 /// How many compensating deletes this node ever recorded: `wait-sync`
 /// compares it before and after a round to see whether new ones appeared.
 pub async fn recorded(client: &Client) -> Result<u64, tokio_postgres::Error> {
+    if !installed(client).await? {
+        return Ok(0);
+    }
     let n: i64 = client
         .query_one(
             "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM mm.compensations_id_seq",
@@ -44,6 +50,18 @@ pub async fn recorded(client: &Client) -> Result<u64, tokio_postgres::Error> {
         .await?
         .try_get(0)?;
     Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Before the agent has set up schema mm (an API served before it), there
+/// is nothing to send.
+async fn installed(client: &Client) -> Result<bool, tokio_postgres::Error> {
+    client
+        .query_one(
+            "SELECT pg_catalog.to_regclass('mm.compensations') IS NOT NULL",
+            &[],
+        )
+        .await?
+        .try_get(0)
 }
 
 pub async fn run(dsn: String, password: Option<String>) {

@@ -14,7 +14,9 @@ BEGIN
   UPDATE mm.apply_progress SET remote_lsn = p_new, remote_commit_ts = p_ts, applied_txns = applied_txns + 1
    WHERE origin = p_origin AND remote_lsn = p_prev;
   IF NOT FOUND THEN
-    RAISE EXCEPTION 'mm: apply progress of % is not at % (the transaction before this one did not commit)', p_origin, p_prev;
+    RAISE EXCEPTION USING ERRCODE = 'MM003',
+      MESSAGE = format('mm: apply progress of %s is at %s, not at %s (the transaction before this one did not commit)',
+                       p_origin, (SELECT remote_lsn FROM mm.apply_progress WHERE origin = p_origin), p_prev);
   END IF;
 END
 $fn$;

@@ -142,8 +142,11 @@ fn failure_kind(f: &ApplyFailure) -> ErrorKind {
             ErrorKind::Transient
         }
         // Lock timeout; MM002: a row an update needs may still arrive
-        // from its origin through another node (apply/careful.rs).
-        Some("55P03" | "MM002") => ErrorKind::Transient,
+        // from its origin through another node (apply/careful.rs); MM003:
+        // the progress guard (a transaction queued on top of one that did
+        // not commit): the restarted stream resumes from the durable
+        // progress, so it passes by itself.
+        Some("55P03" | "MM002" | "MM003") => ErrorKind::Transient,
         None if f.message.starts_with("local PostgreSQL:") => ErrorKind::Transient,
         _ => ErrorKind::Definite,
     }
