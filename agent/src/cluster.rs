@@ -116,7 +116,8 @@ impl Reconciler {
         }
     }
 
-    /// Writes the state into `mm.nodes` / `mm.paused_streams`, guarded by the
+    /// Writes the state into `mm.nodes` / `mm.paused_streams` /
+    /// `mm.sequence_ranges`, guarded by the
     /// applied log index so an older state never overwrites a newer one.
     async fn materialize(&mut self, state: &ClusterState) -> Result<(), anyhow::Error> {
         if state.last_applied_index <= self.materialized_index && self.materialized_index > 0 {
@@ -150,6 +151,16 @@ impl Reconciler {
                 &[from, to],
             )
             .await?;
+        }
+        tx.execute("DELETE FROM mm.sequence_ranges", &[]).await?;
+        for (name, g) in &state.sequences {
+            for r in &g.ranges {
+                tx.execute(
+                    "INSERT INTO mm.sequence_ranges (sequence_name, node, range_start, range_end) VALUES ($1, $2, $3, $4)",
+                    &[name, &r.node, &r.start, &r.end],
+                )
+                .await?;
+            }
         }
         tx.execute(
             "INSERT INTO mm.raft_applied (singleton, applied_index) VALUES (true, $1) \

@@ -131,7 +131,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
     info!(node = %name, node_id, listen = %cfg.api.listen, "agent API listening");
     let state = AppState {
         raft: raft.clone(),
-        token,
+        token: Arc::clone(&token),
         node_name: name.clone(),
         api_url: cfg.api.advertise.clone(),
         peer_dsn: cfg.postgres.peer_dsn.clone(),
@@ -172,12 +172,23 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         cfg.postgres.dsn.clone(),
         local.password.clone(),
     ));
+    let sequences = tokio::spawn(
+        crate::sequences::Manager {
+            node: name.clone(),
+            dsn: cfg.postgres.dsn.clone(),
+            password: local.password.clone(),
+            api_url: cfg.api.advertise.clone(),
+            token: Arc::clone(&token),
+        }
+        .run(raft.cluster()),
+    );
     let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
 
     shutdown_signal().await;
     info!(node = %name, "shutting down");
     reconciler.abort();
     compensator.abort();
+    sequences.abort();
     lag_probe.abort();
     watermark_task.abort();
     server.abort();

@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod pg;
 pub mod prereq;
 pub mod schema;
+pub mod sequences;
 pub mod status;
 pub mod stream;
 pub mod watermark;

@@ -13,6 +13,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
     (2, include_str!("sql/0002_counters.sql")),
     (3, include_str!("sql/0003_truncates.sql")),
     (4, include_str!("sql/0004_compensations.sql")),
+    (5, include_str!("sql/0005_sequence_ranges.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

@@ -324,3 +324,75 @@ pub struct ClusterConflictsResponse {
 pub struct ErrorBody {
     pub error: String,
 }
+
+/// `POST /v1/sequence-local` on every node (`mmctl sequence add` asks each
+/// one before the sequence becomes global): what this node's copy of the
+/// sequence has handed out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceLocalRequest {
+    /// Schema-qualified.
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceLocalResponse {
+    /// The largest value in use here: the sequence's last value, or the
+    /// owning column's largest value (rows may have come from elsewhere).
+    pub used_max: Option<i64>,
+    pub min_value: i64,
+    pub max_value: i64,
+    pub increment: i64,
+}
+
+/// `POST /v1/sequences`: make a sequence cluster-global, allocating from
+/// `start` (above every node's `used_max`) up to `max`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceAddRequest {
+    pub name: String,
+    pub chunk: i64,
+    pub start: i64,
+    pub max: i64,
+}
+
+/// `POST /v1/sequences/allocate`: the next chunk for `node` (agents refill
+/// through it; forwarded to the Raft leader).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceAllocateRequest {
+    pub sequence: String,
+    pub node: String,
+    /// Chunks of this node the requester knew of (a retry takes none).
+    pub known: usize,
+}
+
+/// One chunk of a global sequence: values `start..=end` for `node`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceRangeInfo {
+    pub node: String,
+    pub start: i64,
+    pub end: i64,
+}
+
+/// `GET /v1/sequences`: the allocator's view (Raft) and this node's use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequencesResponse {
+    pub node: String,
+    pub sequences: Vec<SequenceInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceInfo {
+    pub name: String,
+    pub chunk: i64,
+    /// First value not handed out yet.
+    pub next: i64,
+    pub max: i64,
+    pub exhausted: bool,
+    pub ranges: Vec<SequenceRangeInfo>,
+    /// This node's local sequence: the chunk it draws from and its last
+    /// value; None until the agent switched it into one of its chunks.
+    pub current: Option<SequenceRangeInfo>,
+    pub last_value: Option<i64>,
+}

@@ -25,7 +25,7 @@ use crate::join::{self, JoinError};
 use crate::raft::{ClusterRequest, ClusterResponse, RaftError, WriteError};
 
 /// Proxied pause/resume: one Raft write plus a hop.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+pub(super) const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `init` waits for the fresh one-node cluster to elect itself.
 const INIT_LEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -328,14 +328,17 @@ fn escape_label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-fn is_forwarded(headers: &HeaderMap) -> bool {
+pub(super) fn is_forwarded(headers: &HeaderMap) -> bool {
     headers.contains_key(FORWARDED_HEADER)
 }
 
 /// Where to send a cluster write: None = handle here (this node leads), or
 /// the leader's URL. Errors when there is no leader, or when a proxied
 /// request reached a non-leader (leadership moved; the client should retry).
-fn leader_elsewhere(s: &AppState, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub(super) fn leader_elsewhere(
+    s: &AppState,
+    headers: &HeaderMap,
+) -> Result<Option<String>, ApiError> {
     if s.raft.is_leader() {
         return Ok(None);
     }
@@ -352,7 +355,7 @@ fn leader_elsewhere(s: &AppState, headers: &HeaderMap) -> Result<Option<String>,
 }
 
 /// Proxies a cluster write to the leader and relays its answer as is.
-async fn forward<T: Serialize>(
+pub(super) async fn forward<T: Serialize>(
     s: &AppState,
     leader_url: &str,
     path: &str,
@@ -408,7 +411,7 @@ fn write_status(e: &WriteError) -> StatusCode {
     }
 }
 
-fn write_error(what: &str, e: WriteError) -> ApiError {
+pub(super) fn write_error(what: &str, e: WriteError) -> ApiError {
     ApiError::new(write_status(&e), format!("{what}: {e}"))
 }
 

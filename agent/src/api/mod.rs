@@ -6,6 +6,7 @@
 mod admin;
 pub mod ops;
 mod raft_routes;
+mod sequences;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -92,6 +93,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/status", get(admin::status))
         .route("/v1/wal-lsn", get(admin::wal_lsn))
         .route("/v1/pending", post(admin::pending))
+        .route("/v1/sequence-local", post(sequences::local))
+        .route("/v1/sequences", get(sequences::list).post(sequences::add))
+        .route("/v1/sequences/allocate", post(sequences::allocate))
         .route("/v1/skip", post(ops::skip))
         .route("/v1/conflicts", get(ops::conflicts))
         .route("/v1/cluster/conflicts", get(ops::cluster_conflicts))

@@ -43,7 +43,7 @@ pub struct Output {
 }
 
 impl Output {
-    fn new<T: Serialize>(human: String, json: &T) -> Result<Self, CtlError> {
+    pub(super) fn new<T: Serialize>(human: String, json: &T) -> Result<Self, CtlError> {
         let json =
             serde_json::to_value(json).map_err(|e| CtlError::new("encoding JSON output", e))?;
         Ok(Self {

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod commands;
 pub mod output;
+mod sequence;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -113,7 +114,7 @@ pub enum Command {
         #[arg(long)]
         lsn: String,
     },
-    /// Cluster-global sequences (not built in this version).
+    /// Cluster-global sequences: disjoint chunks per node, from Raft.
     Sequence {
         #[command(subcommand)]
         command: SequenceCommand,
@@ -233,11 +234,11 @@ pub async fn run(cli: &Cli) -> Result<Output, CtlError> {
         } => commands::wait_sync(&c, agent, Duration::from_secs(*timeout), *ignore_paused).await,
         Command::RemoveNode { .. } => Err(not_built("remove-node")),
         Command::Sequence {
-            command: SequenceCommand::Add { .. },
-        } => Err(not_built("sequence add")),
+            command: SequenceCommand::Add { seq, chunk },
+        } => sequence::add(&c, agent, seq, *chunk).await,
         Command::Sequence {
             command: SequenceCommand::List,
-        } => Err(not_built("sequence list")),
+        } => sequence::list(&c, agent).await,
         Command::Verify { .. } => Err(not_built("verify")),
         Command::Repair { .. } => Err(not_built("repair")),
         Command::Pause { from, to } => commands::pause(&c, agent, from, to, true).await,

@@ -34,6 +34,49 @@ pub enum ClusterRequest {
         to: String,
         paused: bool,
     },
+    /// Makes a sequence cluster-global (`mmctl sequence add`): values from
+    /// `start` up to `max` are handed out in chunks of `chunk`.
+    AddSequence {
+        name: String,
+        chunk: i64,
+        start: i64,
+        max: i64,
+    },
+    /// Hands node `node` the next chunk of `sequence` (its agent refills
+    /// before it runs out). `known`: how many chunks of this node the agent
+    /// knew of when it asked, so a retried request (its answer lost) does
+    /// not take a second one.
+    AllocateRange {
+        sequence: String,
+        node: String,
+        known: usize,
+    },
+}
+
+/// A cluster-global sequence: the allocator's state. Invariant (enforced in
+/// `apply`): chunks are handed out in increasing order from `next` and
+/// never again, so no two nodes (and no node twice) ever get the same
+/// value, whatever happens to the nodes that held them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalSequence {
+    pub chunk: i64,
+    /// The first value not handed out yet.
+    pub next: i64,
+    /// The sequence type's (or its MAXVALUE's) largest value.
+    pub max: i64,
+    /// Every chunk ever handed out, in order.
+    pub ranges: Vec<SequenceRange>,
+    /// The last chunk reached `max`.
+    #[serde(default)]
+    pub exhausted: bool,
+}
+
+/// Values `start..=end` of a global sequence, given to `node`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceRange {
+    pub node: String,
+    pub start: i64,
+    pub end: i64,
 }
 
 /// The outcome of applying one command. A rejected command is a committed log
@@ -59,6 +102,9 @@ pub struct ClusterState {
     /// (from, to) node names whose stream is paused. Lives in Raft so a pause
     /// survives agent restarts until `resume`.
     pub paused: BTreeSet<(String, String)>,
+    /// Global sequences by schema-qualified name.
+    #[serde(default)]
+    pub sequences: BTreeMap<String, GlobalSequence>,
 }
 
 /// Node names become parts of slot and origin names (`mm_<from>_to_<to>`),
@@ -139,6 +185,80 @@ impl ClusterState {
                 self.nodes.remove(&id);
                 self.removed_ids.insert(id);
                 self.paused.retain(|(from, to)| from != name && to != name);
+                Ok(())
+            }
+            ClusterRequest::AddSequence {
+                name,
+                chunk,
+                start,
+                max,
+            } => {
+                if *chunk < 1 {
+                    return Err(format!(
+                        "sequence {name}: --chunk must be at least 1, not {chunk}"
+                    ));
+                }
+                if start > max {
+                    return Err(format!(
+                        "sequence {name}: its values are used up to its maximum {max}; nothing is left to hand out"
+                    ));
+                }
+                if let Some(g) = self.sequences.get(name) {
+                    // Repeating the same command is not an error.
+                    if g.chunk == *chunk {
+                        return Ok(());
+                    }
+                    return Err(format!(
+                        "sequence {name} is already global (chunk {})",
+                        g.chunk
+                    ));
+                }
+                self.sequences.insert(
+                    name.clone(),
+                    GlobalSequence {
+                        chunk: *chunk,
+                        next: *start,
+                        max: *max,
+                        ranges: Vec::new(),
+                        exhausted: false,
+                    },
+                );
+                Ok(())
+            }
+            ClusterRequest::AllocateRange {
+                sequence,
+                node,
+                known,
+            } => {
+                if self.node_by_name(node).is_none() {
+                    return Err(format!("unknown node {node}"));
+                }
+                let g = self
+                    .sequences
+                    .get_mut(sequence)
+                    .ok_or_else(|| format!("sequence {sequence} is not global"))?;
+                let held = g.ranges.iter().filter(|r| &r.node == node).count();
+                // The agent counts its unused chunks; a chunk it asked for
+                // before (a retry after a lost answer) is not given twice.
+                if held > *known {
+                    return Ok(());
+                }
+                if g.exhausted || g.next > g.max {
+                    return Err(format!(
+                        "sequence {sequence} is exhausted (maximum {})",
+                        g.max
+                    ));
+                }
+                let end = g.next.saturating_add(g.chunk - 1).min(g.max);
+                g.ranges.push(SequenceRange {
+                    node: node.clone(),
+                    start: g.next,
+                    end,
+                });
+                match end.checked_add(1) {
+                    Some(n) if end < g.max => g.next = n,
+                    _ => g.exhausted = true,
+                }
                 Ok(())
             }
             ClusterRequest::SetPaused { from, to, paused } => {
@@ -288,6 +408,80 @@ mod tests {
             s.paused.is_empty(),
             "pairs of a removed node must not linger"
         );
+    }
+
+    #[test]
+    fn sequence_chunks_are_disjoint_never_reused_and_retries_take_none() {
+        let mut s = two_nodes();
+        let add = ClusterRequest::AddSequence {
+            name: "public.s".into(),
+            chunk: 10,
+            start: 101,
+            max: 135,
+        };
+        assert_eq!(s.apply(&add), ClusterResponse::Ok);
+        assert_eq!(s.apply(&add), ClusterResponse::Ok, "repeating it is fine");
+        let r = s.apply(&ClusterRequest::AddSequence {
+            name: "public.s".into(),
+            chunk: 5,
+            start: 1,
+            max: 135,
+        });
+        assert!(is_err(&r, "already global"), "{r:?}");
+        let alloc = |node: &str, known| ClusterRequest::AllocateRange {
+            sequence: "public.s".into(),
+            node: node.into(),
+            known,
+        };
+        assert_eq!(s.apply(&alloc("n1", 0)), ClusterResponse::Ok);
+        // A retry of the same request (the answer was lost): nothing new.
+        assert_eq!(s.apply(&alloc("n1", 0)), ClusterResponse::Ok);
+        assert_eq!(s.apply(&alloc("n2", 0)), ClusterResponse::Ok);
+        assert_eq!(s.apply(&alloc("n1", 1)), ClusterResponse::Ok);
+        assert_eq!(s.apply(&alloc("n2", 1)), ClusterResponse::Ok);
+        let g = &s.sequences["public.s"];
+        let got: Vec<(&str, i64, i64)> = g
+            .ranges
+            .iter()
+            .map(|r| (r.node.as_str(), r.start, r.end))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("n1", 101, 110),
+                ("n2", 111, 120),
+                ("n1", 121, 130),
+                ("n2", 131, 135)
+            ],
+            "the last chunk stops at the maximum"
+        );
+        let r = s.apply(&alloc("n1", 2));
+        assert!(is_err(&r, "exhausted"), "{r:?}");
+        let r = s.apply(&alloc("n9", 0));
+        assert!(is_err(&r, "unknown node n9"), "{r:?}");
+        // A removed node's chunks stay taken: a new node gets fresh ones.
+        s.apply(&ClusterRequest::RemoveNode { name: "n2".into() });
+        assert_eq!(s.sequences["public.s"].ranges.len(), 4);
+    }
+
+    #[test]
+    fn a_sequence_used_up_to_its_maximum_is_refused() {
+        let mut s = two_nodes();
+        let r = s.apply(&ClusterRequest::AddSequence {
+            name: "public.small".into(),
+            chunk: 10,
+            start: 32768,
+            max: 32767,
+        });
+        assert!(is_err(&r, "used up"), "{r:?}");
+        let r = s.apply(&ClusterRequest::AddSequence {
+            name: "public.small".into(),
+            chunk: 0,
+            start: 1,
+            max: 32767,
+        });
+        assert!(is_err(&r, "at least 1"), "{r:?}");
+        assert!(s.sequences.is_empty());
     }
 
     #[test]
