@@ -5,6 +5,7 @@
 //! what should run, so a missed notification or a restart converges the same.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use mm_proto::api::{NodeState, StreamState};
 use tokio::sync::watch;
@@ -17,7 +18,15 @@ pub struct Reconciler {
     local: LocalNode,
     streams: HashMap<String, StreamHandle>,
     materialized_index: u64,
+    /// Removed from the cluster while away (`part::fenced`): no streams.
+    fenced: bool,
+    last_fence_check: Option<Instant>,
+    /// Slots/origins of removed nodes still to drop (`part::cleanup`).
+    cleanup_left: bool,
 }
+
+/// How often a node that believes it is a member asks whether it was removed.
+const FENCE_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// States in which a node publishes to and subscribes from the others.
 fn streams_with(state: NodeState) -> bool {
@@ -33,24 +42,36 @@ impl Reconciler {
             local,
             streams: HashMap::new(),
             materialized_index: 0,
+            fenced: false,
+            last_fence_check: None,
+            cleanup_left: true,
         }
     }
 
     /// Runs until the state channel closes (agent shutdown).
     pub async fn run(mut self, mut cluster: watch::Receiver<ClusterState>) {
+        let http = crate::ctl::client::AgentClient::new(self.local.token.to_string()).ok();
         loop {
             let state = cluster.borrow_and_update().clone();
-            self.reconcile(&state).await;
-            if let Err(e) = self.materialize(&state).await {
-                warn!(error = %e, "cannot materialize cluster state into mm.nodes; will retry");
-                tokio::select! {
-                    r = cluster.changed() => if r.is_err() { break },
-                    _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-                }
-                continue;
+            if let Some(http) = &http {
+                self.check_fence(http, &state).await;
             }
-            if cluster.changed().await.is_err() {
-                break;
+            self.reconcile(&state).await;
+            let materialized = self.materialize(&state).await;
+            if let Err(e) = &materialized {
+                warn!(error = %e, "cannot materialize cluster state into mm.nodes; will retry");
+            }
+            self.clean_up(&state).await;
+            // Level-triggered: also every few seconds (fence checks, and
+            // slots a removed node may have created again).
+            let wait = if materialized.is_err() {
+                Duration::from_secs(2)
+            } else {
+                FENCE_CHECK_EVERY
+            };
+            tokio::select! {
+                r = cluster.changed() => if r.is_err() { break },
+                _ = tokio::time::sleep(wait) => {}
             }
         }
         for (_, h) in self.streams.drain() {
@@ -58,11 +79,55 @@ impl Reconciler {
         }
     }
 
+    /// Asks the peers whether this node was removed while away (at start,
+    /// then every `FENCE_CHECK_EVERY`); once fenced, stays fenced.
+    async fn check_fence(&mut self, http: &crate::ctl::client::AgentClient, state: &ClusterState) {
+        if self.fenced
+            || self
+                .last_fence_check
+                .is_some_and(|t| t.elapsed() < FENCE_CHECK_EVERY)
+        {
+            return;
+        }
+        self.last_fence_check = Some(Instant::now());
+        if crate::part::fenced(http, state, &self.local.name).await {
+            self.fenced = true;
+            self.cleanup_left = true;
+            for (_, h) in self.streams.drain() {
+                h.stop().await;
+            }
+        }
+    }
+
+    /// Drops the slots and origins of removed nodes (`part::cleanup`).
+    async fn clean_up(&mut self, state: &ClusterState) {
+        let needed = self.cleanup_left
+            || self.fenced
+            || !state.removed_names.is_empty()
+            || state.nodes.values().any(|n| n.state == NodeState::Parting);
+        if !needed {
+            return;
+        }
+        let client = match crate::pg::connect(&self.local.dsn, self.local.password.as_deref()).await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "cannot clean up after removed nodes; will retry");
+                return;
+            }
+        };
+        match crate::part::cleanup(&client, state, &self.local.name, self.fenced).await {
+            Ok(left) => self.cleanup_left = left > 0,
+            Err(e) => warn!(error = %e, "cleaning up after removed nodes failed; will retry"),
+        }
+    }
+
     async fn reconcile(&mut self, state: &ClusterState) {
         let me = &self.local.name;
-        let self_member = state
-            .node_by_name(me)
-            .is_some_and(|n| streams_with(n.state));
+        let self_member = !self.fenced
+            && state
+                .node_by_name(me)
+                .is_some_and(|n| streams_with(n.state));
         let mut desired: HashMap<String, Peer> = HashMap::new();
         if self_member {
             for n in state.nodes.values() {

@@ -152,6 +152,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         status: Arc::clone(&status),
         resolvers: Arc::new(resolvers),
         watermarks: Arc::clone(&watermarks),
+        token: Arc::clone(&token),
     };
     let watermark_task = tokio::spawn(crate::watermark::run(
         cfg.postgres.dsn.clone(),

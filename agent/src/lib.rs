@@ -18,6 +18,7 @@ pub mod conflict;
 pub mod daemon;
 pub mod lag;
 pub mod metrics;
+pub mod part;
 pub mod pg;
 pub mod prereq;
 pub mod schema;

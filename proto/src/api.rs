@@ -396,3 +396,20 @@ pub struct SequenceInfo {
     pub current: Option<SequenceRangeInfo>,
     pub last_value: Option<i64>,
 }
+
+/// `POST /v1/nodes/remove` (forwarded to the Raft leader).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveNodeRequest {
+    pub name: String,
+}
+
+/// `GET /v1/slots`: the agent's slots and origins on this node's
+/// PostgreSQL (`mmctl remove-node` waits until none is left for the
+/// removed node).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotsResponse {
+    pub node: String,
+    pub slots: Vec<String>,
+    pub origins: Vec<String>,
+}

@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod ops;
+mod part;
 mod raft_routes;
 mod sequences;
 
@@ -93,6 +94,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/status", get(admin::status))
         .route("/v1/wal-lsn", get(admin::wal_lsn))
         .route("/v1/pending", post(admin::pending))
+        .route("/v1/nodes/remove", post(part::remove))
+        .route("/v1/slots", get(part::slots))
         .route("/v1/sequence-local", post(sequences::local))
         .route("/v1/sequences", get(sequences::list).post(sequences::add))
         .route("/v1/sequences/allocate", post(sequences::allocate))

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod commands;
 pub mod output;
+mod part;
 mod sequence;
 
 use std::path::PathBuf;
@@ -61,7 +62,9 @@ pub enum Command {
         #[arg(long)]
         url: String,
     },
-    /// Part node NAME from the cluster (not built in this version).
+    /// Part node NAME from the cluster, whether it is up or down: streams
+    /// to and from it stop, its slots and origins are dropped everywhere,
+    /// it leaves Raft; if it comes back it is fenced.
     RemoveNode {
         /// The node to remove.
         #[arg(long)]
@@ -232,7 +235,7 @@ pub async fn run(cli: &Cli) -> Result<Output, CtlError> {
             timeout,
             ignore_paused,
         } => commands::wait_sync(&c, agent, Duration::from_secs(*timeout), *ignore_paused).await,
-        Command::RemoveNode { .. } => Err(not_built("remove-node")),
+        Command::RemoveNode { name } => part::remove_node(&c, agent, name).await,
         Command::Sequence {
             command: SequenceCommand::Add { seq, chunk },
         } => sequence::add(&c, agent, seq, *chunk).await,

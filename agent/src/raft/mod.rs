@@ -329,6 +329,46 @@ impl RaftNode {
             .await
     }
 
+    /// Takes node `id` out of the membership in one change: a voter with
+    /// `retain = false` (it does not stay a learner), a learner as a node.
+    /// A leader may remove itself; it steps down once the change commits
+    /// (a second change proposed after that made openraft's core panic).
+    pub async fn remove_member(&self, id: u64) -> Result<(), WriteError> {
+        let members = self.members();
+        if members.voters.contains(&id) {
+            self.membership(ChangeMembers::RemoveVoters(BTreeSet::from([id])))
+                .await
+        } else if members.learners.contains(&id) {
+            self.membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])))
+                .await
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Waits (up to `timeout`, on the leader) until node `id` has every log
+    /// entry this node has; gives up silently (the node may be down).
+    pub async fn wait_replicated(&self, id: u64, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let done = {
+                let m = self.inner.raft.metrics();
+                let m = m.borrow();
+                let matched = m
+                    .replication
+                    .as_ref()
+                    .and_then(|r| r.get(&id))
+                    .and_then(|l| l.as_ref())
+                    .map(|l| l.index);
+                matched.is_some() && matched >= m.last_log_index
+            };
+            if done || tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Promotes one learner to voter, leaving the other voters as they are.
     pub async fn promote_voter(&self, id: u64) -> Result<(), WriteError> {
         self.membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])))

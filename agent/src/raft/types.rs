@@ -99,6 +99,11 @@ pub struct ClusterState {
     /// is never accepted again, so a stale agent that was removed cannot come
     /// back under its old identity and be mistaken for a current member.
     pub removed_ids: BTreeSet<u64>,
+    /// Names of removed nodes (until a node of that name joins again): every
+    /// node drops their slots and origins on sight (`cluster.rs`), also ones
+    /// a removed agent that missed its removal creates again.
+    #[serde(default)]
+    pub removed_names: BTreeSet<String>,
     /// (from, to) node names whose stream is paused. Lives in Raft so a pause
     /// survives agent restarts until `resume`.
     pub paused: BTreeSet<(String, String)>,
@@ -165,6 +170,7 @@ impl ClusterState {
                         info.name, existing.id
                     ));
                 }
+                self.removed_names.remove(&info.name);
                 self.nodes.insert(info.id, info.clone());
                 Ok(())
             }
@@ -184,6 +190,7 @@ impl ClusterState {
                     .ok_or_else(|| format!("unknown node {name}"))?;
                 self.nodes.remove(&id);
                 self.removed_ids.insert(id);
+                self.removed_names.insert(name.clone());
                 self.paused.retain(|(from, to)| from != name && to != name);
                 Ok(())
             }
@@ -339,6 +346,7 @@ mod tests {
             ClusterResponse::Ok
         );
         assert!(s.removed_ids.contains(&2));
+        assert!(s.removed_names.contains("n2"));
         assert!(s.node_by_name("n2").is_none());
         let r = s.apply(&ClusterRequest::AddNode(node(2, "n2")));
         assert!(is_err(&r, "cannot be reused"), "{r:?}");
@@ -347,6 +355,7 @@ mod tests {
             s.apply(&ClusterRequest::AddNode(node(7, "n2"))),
             ClusterResponse::Ok
         );
+        assert!(!s.removed_names.contains("n2"), "a member again");
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub struct LocalNode {
     pub status: Arc<StatusRegistry>,
     pub resolvers: Arc<crate::conflict::TableResolvers>,
     pub watermarks: Arc<crate::watermark::Watermarks>,
+    /// The cluster token, for asking peers whether this node was removed.
+    pub token: Arc<str>,
 }
 
 /// The publisher side of a stream.
