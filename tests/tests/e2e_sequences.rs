@@ -133,6 +133,13 @@ async fn concurrent_default_ids_never_collide_across_refills() -> Result<()> {
             text.stdout
         );
     }
+    let metrics = c.agents[0].metrics(&c.token_file()).await?;
+    ensure!(
+        metrics
+            .contains("mm_sequence_values_left{node=\"gs1\",sequence=\"public.gs_small_id_seq\"}"),
+        "no exhaustion gauge in /metrics ({} bytes)",
+        metrics.len()
+    );
     // Operators can read the allocation with SQL (SPEC §5).
     let rows = c
         .rows(2, "SELECT sequence_name, node, range_start, range_end FROM mm.sequence_ranges ORDER BY range_start")
@@ -242,5 +249,141 @@ async fn bad_sequence_input_is_one_clear_line_and_changes_nothing() -> Result<()
         v["sequences"].as_array().is_some_and(|s| s.is_empty()),
         "nothing may have changed: {v}"
     );
+    Ok(())
+}
+
+/// Inserts `n` rows into gs_serial on `conn`, one per transaction.
+async fn serial_inserts(conn: tokio_postgres::Client, node: &'static str, n: usize) -> Result<()> {
+    for i in 0..n {
+        conn.execute("INSERT INTO gs_serial (node) VALUES ($1)", &[&node])
+            .await
+            .with_context(|| format!("{node}: insert {i}"))?;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// The Raft leader is killed while the others refill, and a fourth node
+/// joins later: inserts never fail (the reserve chunk carries them through
+/// the election), the late node draws from chunks of its own, and no two
+/// chunks ever overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refills_survive_a_leader_kill_and_a_late_node_gets_its_own_chunks() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = ["gl1", "gl2", "gl3", "gl4"];
+    let mut c = TestCluster::start_unformed(&names, SCHEMA, Default::default()).await?;
+    c.mmctl(0, &["init"]).await?.ok()?;
+    for i in 1..3 {
+        let (name, url) = (c.agents[i].name.clone(), c.agents[i].url());
+        c.mmctl(0, &["add-node", "--name", &name, "--url", &url])
+            .await?
+            .ok()?;
+    }
+    let out = c
+        .mmctl(
+            1,
+            &[
+                "sequence",
+                "add",
+                "public.gs_serial_id_seq",
+                "--chunk",
+                "300",
+            ],
+        )
+        .await?;
+    ensure!(out.success(), "sequence add: {}", out.stderr);
+    let leader = c.status_json(1).await?["leader"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let li = c.index_of(&leader)?;
+    let writers: Vec<usize> = (0..3).filter(|&i| i != li).collect();
+    // Both writers hold a chunk and a reserve before the load starts.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows = c
+            .rows(
+                writers[0],
+                "SELECT node, count(*) FROM mm.sequence_ranges GROUP BY node",
+            )
+            .await?;
+        if rows.len() >= 3
+            && rows
+                .iter()
+                .all(|r| r[1].as_deref().is_some_and(|n| n >= "2"))
+        {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "chunks not handed out: {rows:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let wnames: [&'static str; 3] = ["gl1", "gl2", "gl3"];
+    let mut tasks = Vec::new();
+    for &w in &writers {
+        let conn = c.pg[w].connect().await?;
+        tasks.push(tokio::spawn(serial_inserts(conn, wnames[w], 400)));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.agents[li].kill9()?;
+    for t in tasks {
+        t.await??;
+    }
+    c.agents[li].start()?;
+    c.agents[li].wait_ready(Duration::from_secs(30)).await?;
+
+    // A late node (its tables empty: add-node does not copy data yet).
+    let (name, url) = (c.agents[3].name.clone(), c.agents[3].url());
+    let mut added = false;
+    for _ in 0..40 {
+        if c.mmctl(writers[0], &["add-node", "--name", &name, "--url", &url])
+            .await?
+            .success()
+        {
+            added = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    ensure!(added, "add-node gl4 kept failing");
+    let late = {
+        let conn = c.pg[3].connect().await?;
+        tokio::spawn(serial_inserts(conn, "gl4", 60))
+    };
+    let conn = c.pg[writers[0]].connect().await?;
+    serial_inserts(conn, wnames[writers[0]], 60).await?;
+    late.await??;
+    c.wait_sync(120).await?;
+
+    let n = c.pg[writers[1]]
+        .query_one_string("SELECT count(*) FROM gs_serial")
+        .await?;
+    ensure!(
+        n.as_deref() == Some("920"),
+        "rows on a writer: {n:?}, want 920"
+    );
+    for (i, name) in names.iter().enumerate() {
+        let n = c.pg[i]
+            .query_one_string("SELECT count(*) FROM mm.conflict_log")
+            .await?;
+        ensure!(n.as_deref() == Some("0"), "{name}: {n:?} conflicts");
+    }
+    let overlaps = c.pg[3]
+        .query_one_string(
+            "SELECT count(*) FROM mm.sequence_ranges a JOIN mm.sequence_ranges b \
+             ON a.sequence_name = b.sequence_name AND a.range_start < b.range_start \
+             AND a.range_end >= b.range_start",
+        )
+        .await?;
+    ensure!(
+        overlaps.as_deref() == Some("0"),
+        "overlapping chunks: {overlaps:?}"
+    );
+    let gl4 = c.pg[3]
+        .query_one_string("SELECT count(*) FROM mm.sequence_ranges WHERE node = 'gl4'")
+        .await?;
+    ensure!(gl4.as_deref().is_some_and(|n| n != "0"), "gl4 got no chunk");
     Ok(())
 }

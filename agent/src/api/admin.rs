@@ -312,6 +312,24 @@ pub(super) async fn metrics(State(s): State<AppState>) -> Response {
             "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{node=\"{node}\"}} {value}"
         );
     }
+    // Exhaustion of a global sequence shows long before it happens.
+    if !state.sequences.is_empty() {
+        out.push_str(
+            "# HELP mm_sequence_values_left values of a global sequence not handed out to any node yet\n# TYPE mm_sequence_values_left gauge\n",
+        );
+        for (name, g) in &state.sequences {
+            let left = if g.exhausted {
+                0
+            } else {
+                g.max.saturating_sub(g.next).saturating_add(1).max(0)
+            };
+            let _ = writeln!(
+                out,
+                "mm_sequence_values_left{{node=\"{node}\",sequence=\"{}\"}} {left}",
+                escape_label(name)
+            );
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,
