@@ -54,14 +54,25 @@ async fn wait_for_ranges(c: &TestCluster) -> Result<serde_json::Value> {
     bail!("not every node got a chunk of every sequence: {last}")
 }
 
-async fn client(conn: tokio_postgres::Client, node: &'static str, n: usize) -> Result<()> {
+const ALL_TABLES: &[&str] = &["gs_serial", "gs_ident", "gs_small"];
+const SERIAL: &[&str] = &["gs_serial"];
+
+/// `n` rounds of one insert with a default id into each of `tables`, one
+/// transaction each, `think_ms` apart; any failed insert fails the test.
+async fn client(
+    conn: tokio_postgres::Client,
+    node: &'static str,
+    n: usize,
+    tables: &'static [&'static str],
+    think_ms: u64,
+) -> Result<()> {
     for i in 0..n {
-        for t in ["gs_serial", "gs_ident", "gs_small"] {
+        for t in tables {
             conn.execute(&format!("INSERT INTO {t} (node) VALUES ($1)"), &[&node])
                 .await
                 .with_context(|| format!("{node}: insert {i} into {t}"))?;
         }
-        tokio::time::sleep(Duration::from_millis(8)).await;
+        tokio::time::sleep(Duration::from_millis(think_ms)).await;
     }
     Ok(())
 }
@@ -81,7 +92,13 @@ async fn concurrent_default_ids_never_collide_across_refills() -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
         for _ in 0..2 {
             let conn = c.pg[i].connect().await?;
-            tasks.push(tokio::spawn(client(conn, name, INSERTS_PER_CLIENT)));
+            tasks.push(tokio::spawn(client(
+                conn,
+                name,
+                INSERTS_PER_CLIENT,
+                ALL_TABLES,
+                8,
+            )));
         }
     }
     for t in tasks {
@@ -252,17 +269,6 @@ async fn bad_sequence_input_is_one_clear_line_and_changes_nothing() -> Result<()
     Ok(())
 }
 
-/// Inserts `n` rows into gs_serial on `conn`, one per transaction.
-async fn serial_inserts(conn: tokio_postgres::Client, node: &'static str, n: usize) -> Result<()> {
-    for i in 0..n {
-        conn.execute("INSERT INTO gs_serial (node) VALUES ($1)", &[&node])
-            .await
-            .with_context(|| format!("{node}: insert {i}"))?;
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Ok(())
-}
-
 /// The Raft leader is killed while the others refill, and a fourth node
 /// joins later: inserts never fail (the reserve chunk carries them through
 /// the election), the late node draws from chunks of its own, and no two
@@ -324,7 +330,7 @@ async fn refills_survive_a_leader_kill_and_a_late_node_gets_its_own_chunks() -> 
     let mut tasks = Vec::new();
     for &w in &writers {
         let conn = c.pg[w].connect().await?;
-        tasks.push(tokio::spawn(serial_inserts(conn, wnames[w], 400)));
+        tasks.push(tokio::spawn(client(conn, wnames[w], 400, SERIAL, 10)));
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     c.agents[li].kill9()?;
@@ -350,10 +356,10 @@ async fn refills_survive_a_leader_kill_and_a_late_node_gets_its_own_chunks() -> 
     ensure!(added, "add-node gl4 kept failing");
     let late = {
         let conn = c.pg[3].connect().await?;
-        tokio::spawn(serial_inserts(conn, "gl4", 60))
+        tokio::spawn(client(conn, "gl4", 60, SERIAL, 10))
     };
     let conn = c.pg[writers[0]].connect().await?;
-    serial_inserts(conn, wnames[writers[0]], 60).await?;
+    client(conn, wnames[writers[0]], 60, SERIAL, 10).await?;
     late.await??;
     c.wait_sync(120).await?;
 
