@@ -5,7 +5,7 @@
 //! 1. the node becomes `parting`: every node stops its stream from it, and
 //!    the node itself (if up) stops streaming from everyone;
 //! 2. it is removed from the state: its name joins `removed_names`, so every
-//!    remaining node drops its slot for it and its origin (`cleanup`, run by
+//!    remaining node drops its slot for it and its apply progress (`cleanup`, run by
 //!    each node's reconciler on every state change and every few seconds:
 //!    also a slot a removed agent that missed its removal creates again),
 //!    its stream status goes, so its watermark no longer holds back
@@ -117,7 +117,7 @@ fn doomed_slots(state: &ClusterState, me: &str, fenced: bool) -> Vec<String> {
 
 /// Drops what belongs to removed nodes on this node: their slots (a
 /// walsender still using one is terminated first; the slot goes on the
-/// next round), their origins and apply progress. Idempotent; returns how
+/// next round) and apply progress (origins stay: see below). Idempotent; returns how
 /// much is left to do (0: clean).
 pub async fn cleanup(
     client: &Client,
@@ -156,7 +156,12 @@ pub async fn cleanup(
             },
         }
     }
-    // A removed node forgets every peer; the others forget the removed ones.
+    // A removed node forgets every peer; the others forget the removed
+    // ones: their apply progress goes (a node joining later under the same
+    // name has another WAL). Their replication ORIGINS stay: rows and
+    // tombstones they wrote carry the origin's id in their commit
+    // timestamps, and PostgreSQL hands a dropped id to the next origin
+    // created, which would make those versions look like the new node's.
     let gone_myself = fenced || state.removed_names.contains(me);
     let forget: Vec<&String> = if gone_myself {
         state
@@ -168,33 +173,10 @@ pub async fn cleanup(
         state.removed_names.iter().collect()
     };
     for name in forget.into_iter().filter(|n| n.as_str() != me) {
-        let origin = origin_name(name);
-        let exists = client
-            .query_opt(
-                "SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = $1",
-                &[&origin],
-            )
-            .await?
-            .is_some();
-        if exists {
-            match client
-                .execute(
-                    "SELECT pg_catalog.pg_replication_origin_drop($1)",
-                    &[&origin],
-                )
-                .await
-            {
-                Ok(_) => info!(%origin, "dropped the origin of a removed node"),
-                Err(e) => {
-                    warn!(%origin, error = %e, "cannot drop the origin of a removed node yet");
-                    left += 1;
-                }
-            }
-        }
         client
             .execute(
                 "DELETE FROM mm.apply_progress WHERE origin = $1",
-                &[&origin],
+                &[&origin_name(name)],
             )
             .await?;
     }

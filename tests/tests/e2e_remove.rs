@@ -11,13 +11,16 @@ use mm_tests::TestCluster;
 
 const SCHEMA: &str = "CREATE TABLE t (id int PRIMARY KEY, v text NOT NULL);";
 
-/// The agent's slots and origins on node `i`'s PostgreSQL.
+/// The agent's slots on node `i`'s PostgreSQL, and the origins it still
+/// keeps apply progress for. (Replication origins themselves stay: rows
+/// and tombstones carry their ids, and a dropped id would be handed to the
+/// next origin created.)
 async fn owned(c: &TestCluster, i: usize) -> Result<Vec<String>> {
     let rows = c
         .rows(
             i,
             "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE 'mm\\_%' \
-             UNION ALL SELECT roname::text FROM pg_replication_origin WHERE roname LIKE 'mm\\_%' ORDER BY 1",
+             UNION ALL SELECT origin FROM mm.apply_progress ORDER BY 1",
         )
         .await?;
     Ok(rows
@@ -27,7 +30,7 @@ async fn owned(c: &TestCluster, i: usize) -> Result<Vec<String>> {
 }
 
 /// Waits until node `i` holds nothing mentioning `name` (its slots for it,
-/// its origin), or, with `all`, nothing at all.
+/// progress of its origin), or, with `all`, nothing at all.
 async fn wait_clean(c: &TestCluster, i: usize, name: &str, all: bool) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::client::AgentClient;
 use super::commands::{CtlError, Output};
-use crate::stream::names::{origin_name, slot_name};
+use crate::stream::names::slot_name;
 
 /// How long the remaining nodes get to drop the removed node's slots.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -56,8 +56,8 @@ pub async fn remove_node(c: &AgentClient, agent: &str, name: &str) -> Result<Out
         }
     };
     let remaining: Vec<NodeInfo> = status.nodes.clone();
-    // Every remaining node drops its slot for the removed node and its
-    // origin (their reconcilers); wait until none is left.
+    // Every remaining node drops its slot for the removed node (their
+    // reconcilers); wait until none is left.
     let mut unreachable = Vec::new();
     loop {
         let answers = join_all(remaining.iter().map(|n| async move {
@@ -73,12 +73,8 @@ pub async fn remove_node(c: &AgentClient, agent: &str, name: &str) -> Result<Out
             match r {
                 Ok(s) => {
                     let slot = slot_name(&node, name);
-                    let origin = origin_name(name);
                     if s.slots.contains(&slot) {
                         left.push(format!("slot {slot} on {node}"));
-                    }
-                    if s.origins.contains(&origin) {
-                        left.push(format!("origin {origin} on {node}"));
                     }
                 }
                 Err(_) => unreachable.push(node),
@@ -101,7 +97,7 @@ pub async fn remove_node(c: &AgentClient, agent: &str, name: &str) -> Result<Out
     }
     let names: Vec<String> = remaining.iter().map(|n| n.name.clone()).collect();
     let mut human = format!(
-        "removed {name}: streams to and from it stopped, its slots and origins dropped on {}",
+        "removed {name}: streams to and from it stopped, its slots dropped on {}",
         names.join(", ")
     );
     if !unreachable.is_empty() {
