@@ -132,6 +132,15 @@ impl Watermarks {
         let mut out = BTreeMap::new();
         let mut origins: Vec<&String> = peers.iter().collect();
         origins.push(&self.local);
+        // Origins that no longer stream here (removed nodes) but whose
+        // deletes left tombstones: the same rule, over the peers' words.
+        for m in eff.values() {
+            for x in m.keys() {
+                if !origins.contains(&x) {
+                    origins.push(x);
+                }
+            }
+        }
         'origin: for x in origins {
             let mut cutoff: Option<DateTime<Utc>> = None;
             for p in peers.iter().filter(|p| *p != x) {
@@ -287,6 +296,23 @@ mod tests {
         let cut = wm.purge_cutoffs(&peers);
         assert_eq!(cut.get("a"), Some(&(t(5) - PURGE_MARGIN)));
         assert_eq!(cut.get("b"), Some(&(t(7) - PURGE_MARGIN)));
+    }
+
+    #[test]
+    fn a_removed_nodes_tombstones_go_once_every_peer_is_past_them() {
+        let wm = Watermarks::new("a");
+        // d was removed: it streams here no more, b and c still do.
+        let peers = vec!["b".to_owned(), "c".to_owned()];
+        wm.set_effective("b", [("d".to_owned(), t(30))].into());
+        assert!(
+            !wm.purge_cutoffs(&peers).contains_key("d"),
+            "c has not said how far it applied d"
+        );
+        wm.set_effective("c", [("d".to_owned(), t(25))].into());
+        assert_eq!(
+            wm.purge_cutoffs(&peers).get("d"),
+            Some(&(t(25) - PURGE_MARGIN))
+        );
     }
 
     #[test]
