@@ -560,3 +560,25 @@ async fn random_partition_moves_converge_without_compensation() -> Result<()> {
     .await
     .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
 }
+
+/// A known divergence, kept as its reproducer (found at the end of the
+/// stop that made the other shapes converge): with this seed, row 4 of `uq`
+/// ends with the same `v` but a different TOASTed `big` on two of three
+/// nodes. Likely an update carrying `big` as unchanged TOAST applied on a
+/// base that lacks a third node's newer `big` (the stale-base rule of
+/// docs/ARCHITECTURE.md does not catch this interleaving). Not fixed yet:
+/// run with `--ignored`. CI pins `MM_SEED` (scripts/test.sh) so this known
+/// case does not make landing random; the seeded variants still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known divergence (unchanged TOAST on a stale base, 3 nodes): see the doc comment"]
+async fn known_toast_divergence_reproducer() -> Result<()> {
+    mm_tests::init_tracing();
+    shapes_run(
+        363_265_777u64.wrapping_add(4242),
+        Ops {
+            unique: false,
+            uq_keys: false,
+        },
+    )
+    .await
+}
