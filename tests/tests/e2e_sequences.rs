@@ -22,6 +22,15 @@ const SEQUENCES: [&str; 3] = [
 const CHUNK: &str = "100";
 const INSERTS_PER_CLIENT: usize = 150;
 
+/// `mmctl sequence add SEQ --chunk N` through agent `via`; must succeed.
+async fn add_sequence(c: &TestCluster, via: usize, seq: &str, chunk: &str) -> Result<()> {
+    let out = c
+        .mmctl(via, &["sequence", "add", seq, "--chunk", chunk])
+        .await?;
+    ensure!(out.success(), "sequence add {seq}: {}", out.stderr);
+    Ok(())
+}
+
 /// `mmctl sequence list --json`, retried until every node holds a chunk of
 /// every sequence (agents take their first chunks right after the add).
 async fn wait_for_ranges(c: &TestCluster) -> Result<serde_json::Value> {
@@ -82,10 +91,7 @@ async fn concurrent_default_ids_never_collide_across_refills() -> Result<()> {
     mm_tests::init_tracing();
     let c = TestCluster::start(&NAMES, SCHEMA).await?;
     for seq in SEQUENCES {
-        let out = c
-            .mmctl(1, &["sequence", "add", seq, "--chunk", CHUNK])
-            .await?;
-        ensure!(out.success(), "sequence add {seq}: {}", out.stderr);
+        add_sequence(&c, 1, seq, CHUNK).await?;
     }
     wait_for_ranges(&c).await?;
     let mut tasks = Vec::new();
@@ -173,19 +179,7 @@ async fn adding_a_used_sequence_starts_above_every_nodes_values() -> Result<()> 
         .execute("INSERT INTO gs_serial (node) SELECT 'before' FROM generate_series(1, 50)")
         .await?;
     c.wait_sync(60).await?;
-    let out = c
-        .mmctl(
-            0,
-            &[
-                "sequence",
-                "add",
-                "public.gs_serial_id_seq",
-                "--chunk",
-                "10",
-            ],
-        )
-        .await?;
-    ensure!(out.success(), "sequence add: {}", out.stderr);
+    add_sequence(&c, 0, "public.gs_serial_id_seq", "10").await?;
     let v = {
         let mut got = None;
         for _ in 0..100 {
@@ -285,19 +279,7 @@ async fn refills_survive_a_leader_kill_and_a_late_node_gets_its_own_chunks() -> 
             .await?
             .ok()?;
     }
-    let out = c
-        .mmctl(
-            1,
-            &[
-                "sequence",
-                "add",
-                "public.gs_serial_id_seq",
-                "--chunk",
-                "300",
-            ],
-        )
-        .await?;
-    ensure!(out.success(), "sequence add: {}", out.stderr);
+    add_sequence(&c, 1, "public.gs_serial_id_seq", "300").await?;
     let leader = c.status_json(1).await?["leader"]["name"]
         .as_str()
         .unwrap_or_default()
