@@ -49,11 +49,22 @@ const EMIT_MIN_INTERVAL: Duration = Duration::from_millis(100);
 const REFRESH_EVERY: Duration = Duration::from_secs(2);
 const PURGE_EVERY: Duration = Duration::from_secs(5);
 const PURGE_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
+/// A commit timestamp is taken just before the commit's WAL record is
+/// written: a commit stamped this long before an announcement's `at` is in
+/// the WAL before it.
+pub const HEARTBEAT_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Announcement {
     pub node: String,
     pub applied: BTreeMap<String, DateTime<Utc>>,
+    /// When the publisher wrote it, by its server's clock (the clock of its
+    /// commit timestamps). Every commit of the publisher's own from more
+    /// than `HEARTBEAT_MARGIN` before this precedes the message in its WAL,
+    /// so once everything before the message is applied here, so are they:
+    /// how idle origins, and rows that predate replication, count as seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<DateTime<Utc>>,
 }
 
 impl Announcement {
@@ -121,6 +132,7 @@ impl Watermarks {
         Announcement {
             node: self.local.clone(),
             applied: lock(&self.applied).clone(),
+            at: None,
         }
     }
 
@@ -187,7 +199,10 @@ async fn run_once(
 ) -> anyhow::Result<()> {
     let client = crate::pg::connect(dsn, password).await?;
     let emit = client
-        .prepare("SELECT pg_catalog.pg_logical_emit_message(false, 'mm.watermark', $1::text)::text")
+        .prepare(
+            "SELECT pg_catalog.pg_logical_emit_message(false, 'mm.watermark', \
+             pg_catalog.jsonb_set($1::text::jsonb, '{at}', pg_catalog.to_jsonb(pg_catalog.clock_timestamp()))::text)::text",
+        )
         .await?;
     let mut last: Option<Announcement> = None;
     let mut last_emit = tokio::time::Instant::now();
@@ -202,7 +217,9 @@ async fn run_once(
         }
         let a = wm.announcement();
         let changed = last.as_ref() != Some(&a);
-        if !a.applied.is_empty() && (changed || last_emit.elapsed() >= REFRESH_EVERY) {
+        // Sent even when unchanged (and empty): its `at` is the heartbeat
+        // that lets the peers count this node's idle stretches as applied.
+        if changed || last_emit.elapsed() >= REFRESH_EVERY {
             let text = serde_json::to_string(&a)?;
             client.query_one(&emit, &[&text]).await?;
             last = Some(a);
@@ -330,9 +347,17 @@ mod tests {
         let a = Announcement {
             node: "n1".into(),
             applied: [("n2".to_owned(), t(1))].into(),
+            at: None,
         };
         let bytes = serde_json::to_vec(&a).expect("serializable");
         assert_eq!(Announcement::decode(&bytes), Ok(a));
+        // As PostgreSQL's to_jsonb(clock_timestamp()) writes it.
+        let sent = br#"{"node": "n1", "applied": {}, "at": "2026-12-01T14:29:03.541664+00:00"}"#;
+        let got = Announcement::decode(sent).expect("decodes");
+        assert_eq!(
+            got.at.map(|t| t.timestamp_micros()),
+            Some(1_796_135_343_541_664)
+        );
         assert!(Announcement::decode(b"\xff{").is_err());
     }
 }

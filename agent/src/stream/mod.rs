@@ -294,7 +294,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         match msg {
             ServerMessage::PrimaryKeepalive {
                 wal_end,
-                send_time,
+                send_time: _,
                 reply_requested,
             } => {
                 progress.received = progress.received.max(wal_end);
@@ -302,16 +302,10 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 // received and, when none is open or unanswered, applied.
                 if current.is_none() && stream_xid.is_none() && applier.in_flight() == 0 {
                     progress.processed = progress.processed.max(wal_end);
-                    // Caught up: every commit of the publisher's from before
-                    // this keepalive's send time (less a margin for commit
-                    // timestamps taken just before their WAL record) is
-                    // applied here. Lets idle origins and rows that predate
-                    // replication count as seen in our watermark.
-                    if let Some(t) = mm_proto::pgoutput::PgTimestamp(send_time).to_datetime() {
-                        local
-                            .watermarks
-                            .applied(&peer.name, t - chrono::Duration::seconds(1));
-                    }
+                    // Not a claim about commit timestamps: during catch-up a
+                    // keepalive's send time is "now" while its position is
+                    // far behind. The publisher's announcements say that
+                    // (`Announcement::at`).
                 }
                 if reply_requested {
                     let idle = current.is_none();
@@ -555,6 +549,13 @@ fn finished(applier: &mut Applier, local: &LocalNode, peer: &str, progress: &mut
         .is_some_and(|(lsn, _)| progress.applied >= *lsn)
         && let Some((_, a)) = progress.pending_watermark.take()
     {
+        // Everything before the announcement is applied here, so is every
+        // commit the publisher made before it was written.
+        if let Some(at) = a.at {
+            local
+                .watermarks
+                .applied(peer, at - crate::watermark::HEARTBEAT_MARGIN);
+        }
         local.watermarks.set_effective(peer, a.applied);
     }
 }
