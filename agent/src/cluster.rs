@@ -128,8 +128,15 @@ impl Reconciler {
             && state
                 .node_by_name(me)
                 .is_some_and(|n| streams_with(n.state));
+        // A node copying its data (`syncing`) takes no stream in until the
+        // copy is done and the join moves it on (`sync`): what it copies
+        // is exactly what those streams then skip.
+        let receiving = self_member
+            && state
+                .node_by_name(me)
+                .is_some_and(|n| n.state != NodeState::Syncing);
         let mut desired: HashMap<String, Peer> = HashMap::new();
-        if self_member {
+        if receiving {
             for n in state.nodes.values() {
                 if &n.name != me && streams_with(n.state) && !state.is_paused(&n.name, me) {
                     desired.insert(

@@ -125,6 +125,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
     .context("starting Raft")?;
 
     let status = Arc::new(StatusRegistry::new(&name));
+    let sync_progress = Arc::new(crate::sync::Progress::default());
     let listener = tokio::net::TcpListener::bind(cfg.api.listen)
         .await
         .with_context(|| format!("binding api.listen {}", cfg.api.listen))?;
@@ -139,6 +140,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         local_password: password.clone(),
         status: Arc::clone(&status),
         join: crate::join::JoinOptions::default(),
+        sync: Arc::clone(&sync_progress),
     };
     let server = tokio::spawn(api::serve(listener, state));
 
@@ -183,11 +185,21 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         }
         .run(raft.cluster()),
     );
+    let syncer = tokio::spawn(
+        crate::sync::Syncer {
+            node: name.clone(),
+            dsn: cfg.postgres.dsn.clone(),
+            password: local.password.clone(),
+            progress: sync_progress,
+        }
+        .run(raft.cluster()),
+    );
     let reconciler = tokio::spawn(Reconciler::new(local).run(raft.cluster()));
 
     shutdown_signal().await;
     info!(node = %name, "shutting down");
     reconciler.abort();
+    syncer.abort();
     compensator.abort();
     sequences.abort();
     lag_probe.abort();

@@ -9,8 +9,10 @@
 //! 2. `record_joining`: `AddNode { state: joining }`; the data plane on every
 //!    node now creates slots and streams to and from it.
 //! 3. `add_learner`: Raft learner, blocking until it has caught up with the log.
-//!    (The initial data copy, when the new node joins with data, goes here,
-//!    recorded as `syncing`.)
+//!    With the data plane running, the node was recorded `syncing` with a
+//!    source (`AddSyncingNode`): `wait_synced` waits for its agent's copy
+//!    (`sync`: schema, rows with their versions, tombstones, progress), and
+//!    `SetNodeState { joining }` then lets every stream into it start.
 //! 4. `wait_streams`: every other active node streams into the new node and
 //!    the new node streams into every other active node.
 //! 5. `promote`: the new node becomes a voter.
@@ -34,8 +36,10 @@ pub struct JoinOptions {
     pub streams_timeout: Duration,
     pub poll_interval: Duration,
     /// False only where no data plane runs (control-plane tests): step 4 is
-    /// skipped. A real agent always waits.
+    /// skipped, and no data is copied. A real agent always waits.
     pub wait_for_streams: bool,
+    /// How long the new node's initial copy may take.
+    pub sync_timeout: Duration,
 }
 
 impl Default for JoinOptions {
@@ -45,6 +49,7 @@ impl Default for JoinOptions {
             streams_timeout: Duration::from_secs(300),
             poll_interval: Duration::from_secs(1),
             wait_for_streams: true,
+            sync_timeout: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -52,7 +57,7 @@ impl Default for JoinOptions {
 impl JoinOptions {
     /// An upper bound for the whole protocol, for callers that proxy it.
     pub fn total_timeout(&self) -> Duration {
-        self.catch_up_timeout + self.streams_timeout + Duration::from_secs(60)
+        self.catch_up_timeout + self.streams_timeout + self.sync_timeout + Duration::from_secs(60)
     }
 }
 
@@ -85,6 +90,7 @@ pub async fn add_node(
     opts: &JoinOptions,
     name: &str,
     url: &str,
+    source: Option<&str>,
 ) -> Result<NodeInfo, JoinError> {
     if !is_valid_node_name(name) {
         return Err(JoinError::Invalid(format!(
@@ -114,6 +120,28 @@ pub async fn add_node(
             tracing::info!(node = name, state = %n.state, "add-node 2/6: already recorded, resuming");
             n
         }
+        Plan::New(n) if opts.wait_for_streams => {
+            let source = choose_source(raft, token, source).await?;
+            tracing::info!(
+                node = name,
+                node_id = n.id,
+                %source,
+                "add-node 2/6: recording the node as syncing from {source}"
+            );
+            write(
+                raft,
+                "record syncing",
+                ClusterRequest::AddSyncingNode {
+                    node: n.clone(),
+                    source,
+                },
+            )
+            .await?;
+            NodeInfo {
+                state: NodeState::Syncing,
+                ..n
+            }
+        }
         Plan::New(n) => {
             tracing::info!(
                 node = name,
@@ -130,6 +158,23 @@ pub async fn add_node(
         "add-node 3/6: adding it as a Raft learner and replicating the log"
     );
     add_learner(raft, &node, opts).await?;
+
+    if node.state == NodeState::Syncing {
+        tracing::info!(
+            node = name,
+            "add-node 3/6: waiting for the new node's copy of the data"
+        );
+        wait_synced(raft, token, opts, &node).await?;
+        write(
+            raft,
+            "start the streams into the new node",
+            ClusterRequest::SetNodeState {
+                name: node.name.clone(),
+                state: NodeState::Joining,
+            },
+        )
+        .await?;
+    }
 
     if opts.wait_for_streams {
         tracing::info!(
@@ -243,6 +288,98 @@ async fn add_learner(
             step: "add learner",
             source,
         })
+}
+
+/// `--source`, or the active node that is least behind its peers (the
+/// smallest total lag into it); ties go to the first by name.
+async fn choose_source(
+    raft: &RaftNode,
+    token: &str,
+    asked: Option<&str>,
+) -> Result<String, JoinError> {
+    let state = raft.cluster().borrow().clone();
+    let active: Vec<NodeInfo> = state
+        .nodes
+        .values()
+        .filter(|n| n.state == NodeState::Active)
+        .cloned()
+        .collect();
+    if let Some(name) = asked {
+        return match active.iter().find(|n| n.name == name) {
+            Some(n) => Ok(n.name.clone()),
+            None => Err(JoinError::Invalid(format!(
+                "--source {name} is not an active node of this cluster"
+            ))),
+        };
+    }
+    let mut best: Option<(u64, String)> = None;
+    for n in &active {
+        let lag = match get_json::<StatusResponse>(raft, token, &n.api_url, "/v1/status").await {
+            Ok(s) => s
+                .streams
+                .iter()
+                .map(|st| st.lag_bytes.unwrap_or(u64::MAX / 64))
+                .sum::<u64>(),
+            Err(_) => continue,
+        };
+        if best
+            .as_ref()
+            .is_none_or(|(l, b)| lag < *l || (lag == *l && n.name < *b))
+        {
+            best = Some((lag, n.name.clone()));
+        }
+    }
+    best.map(|(_, n)| n).ok_or_else(|| {
+        JoinError::Refused("no active node answers: there is no node to copy the data from".into())
+    })
+}
+
+/// Waits for the new node's agent to report its copy done.
+async fn wait_synced(
+    raft: &RaftNode,
+    token: &str,
+    opts: &JoinOptions,
+    node: &NodeInfo,
+) -> Result<(), JoinError> {
+    let started = tokio::time::Instant::now();
+    let mut last_report = started;
+    // A refusal counts once the copy tried again after this wait began
+    // (an operator who fixed the schema reruns add-node).
+    let mut first_attempt: Option<u64> = None;
+    loop {
+        let r = get_json::<mm_proto::api::SyncReport>(raft, token, &node.api_url, "/v1/sync").await;
+        if let Ok(rep) = &r {
+            let first = *first_attempt.get_or_insert(rep.attempts);
+            if rep.phase == "refused" && rep.attempts > first {
+                return Err(JoinError::Refused(format!(
+                    "node {} cannot take the data: {} (fix it and run add-node again, or remove-node {})",
+                    node.name,
+                    rep.error.clone().unwrap_or_default(),
+                    node.name
+                )));
+            }
+        }
+        let now = match &r {
+            Ok(rep) if rep.phase == "done" => return Ok(()),
+            Ok(rep) => match &rep.error {
+                Some(e) => format!("{}: {} (last attempt failed: {e})", rep.phase, rep.detail),
+                None => format!("{}: {}", rep.phase, rep.detail),
+            },
+            Err(e) => format!("cannot read its copy's progress: {e}"),
+        };
+        if started.elapsed() >= opts.sync_timeout {
+            return Err(JoinError::StreamsNotReady(format!(
+                "node {} has not finished copying its data after {}s: {now}",
+                node.name,
+                started.elapsed().as_secs()
+            )));
+        }
+        if last_report.elapsed() >= Duration::from_secs(10) {
+            last_report = tokio::time::Instant::now();
+            tracing::info!(node = %node.name, progress = %now, "add-node 3/6: copying");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Step 4: polls every involved agent's status until all pairs stream.

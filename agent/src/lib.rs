@@ -25,4 +25,5 @@ pub mod schema;
 pub mod sequences;
 pub mod status;
 pub mod stream;
+pub mod sync;
 pub mod watermark;

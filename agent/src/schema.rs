@@ -14,6 +14,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
     (3, include_str!("sql/0003_truncates.sql")),
     (4, include_str!("sql/0004_compensations.sql")),
     (5, include_str!("sql/0005_sequence_ranges.sql")),
+    (6, include_str!("sql/0006_sync.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).
@@ -89,6 +90,12 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaErr
     client.batch_execute(&sql).await?;
     // Tables that existed before the agent (or before this version): the
     // event trigger covers the ones created from now on.
+    install_triggers(client).await
+}
+
+/// The agent's triggers on every replicated table (idempotent): also after
+/// add-node created tables from the source's definitions.
+pub async fn install_triggers(client: &Client) -> Result<(), SchemaError> {
     client
         .batch_execute(
             "SELECT mm.install_tombstone_trigger(c.oid) FROM pg_catalog.pg_class c \

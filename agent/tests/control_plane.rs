@@ -79,6 +79,7 @@ async fn start_node(name: &str, dir: &Path, port: u16, local_dsn: &str) -> Node 
         local_password: None,
         status: Arc::clone(&status),
         join: join_opts(),
+        sync: Arc::new(mm_agent::sync::Progress::default()),
     };
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(api::serve_with_shutdown(listener, state, async move {
@@ -220,6 +221,7 @@ async fn three_nodes_join_elect_forward_and_persist() {
     let add = |name: &str, url: &str| AddNodeRequest {
         name: name.into(),
         url: url.into(),
+        source: None,
     };
     let node2: NodeInfo = c
         .post(&n1.url, "/v1/nodes", &add("n2", &n2.url), None)
@@ -786,6 +788,7 @@ async fn wal_lsn_and_wait_sync_against_real_postgres() {
     let add = AddNodeRequest {
         name: "b2".into(),
         url: b.url.clone(),
+        source: None,
     };
     let _: NodeInfo = c.post(&a.url, "/v1/nodes", &add, None).await.unwrap();
 
@@ -980,6 +983,7 @@ async fn skip_conflicts_and_counters_against_real_postgres() {
     let add = AddNodeRequest {
         name: "b2".into(),
         url: b.url.clone(),
+        source: None,
     };
     let _: NodeInfo = c.post(&a.url, "/v1/nodes", &add, None).await.unwrap();
     wait_state(&b, "both nodes known", |s| s.nodes.len() == 2).await;

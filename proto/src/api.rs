@@ -160,6 +160,28 @@ pub struct InitResponse {
 pub struct AddNodeRequest {
     pub name: String,
     pub url: String,
+    /// The node to copy the data from; default: the least lagged active node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+/// `GET /v1/sync` on a node being added with data: its initial copy.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyncReport {
+    /// `idle` (nothing to copy), `waiting` (for the peers' positions),
+    /// `schema`, `copying`, `done`, or `failed` (retried: see `error`).
+    pub phase: String,
+    pub source: Option<String>,
+    /// What it is doing now, in words.
+    pub detail: String,
+    pub tables_total: u64,
+    pub tables_done: u64,
+    pub rows: u64,
+    pub bytes: u64,
+    pub elapsed_secs: f64,
+    /// The last failure of an attempt (the copy starts again after it).
+    pub error: Option<String>,
+    pub attempts: u64,
 }
 
 /// `POST /v1/pause` and `POST /v1/resume`: the stream of `from`'s changes into `to`.

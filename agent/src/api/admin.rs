@@ -108,7 +108,16 @@ pub(super) async fn add_node(
     if let Some(url) = leader_elsewhere(&s, &headers)? {
         return forward(&s, &url, "/v1/nodes", &req, s.join.total_timeout()).await;
     }
-    match join::add_node(&s.raft, &s.token, &s.join, &req.name, &req.url).await {
+    match join::add_node(
+        &s.raft,
+        &s.token,
+        &s.join,
+        &req.name,
+        &req.url,
+        req.source.as_deref(),
+    )
+    .await
+    {
         Ok(node) => Ok(Json(node).into_response()),
         Err(JoinError::Raft {
             source: WriteError::ForwardToLeader { leader_url, .. },
@@ -186,6 +195,11 @@ async fn set_paused(
         }
         Err(e) => Err(write_error(if paused { "pause" } else { "resume" }, e)),
     }
+}
+
+/// This node's add-node copy (`mmctl add-node` shows it while it runs).
+pub(super) async fn sync(State(s): State<AppState>) -> Json<mm_proto::api::SyncReport> {
+    Json(s.sync.snapshot())
 }
 
 pub(super) async fn status(State(s): State<AppState>) -> Json<StatusResponse> {

@@ -53,6 +53,8 @@ pub struct AppState {
     pub status: Arc<StatusRegistry>,
     /// Timeouts of add-node, and whether it waits for the data plane's streams.
     pub join: JoinOptions,
+    /// This node's add-node copy, when it is being added (`GET /v1/sync`).
+    pub sync: Arc<crate::sync::Progress>,
 }
 
 /// Serves the API until the listener fails.
@@ -92,6 +94,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/pause", post(admin::pause))
         .route("/v1/resume", post(admin::resume))
         .route("/v1/status", get(admin::status))
+        .route("/v1/sync", get(admin::sync))
         .route("/v1/wal-lsn", get(admin::wal_lsn))
         .route("/v1/pending", post(admin::pending))
         .route("/v1/nodes/remove", post(part::remove))

@@ -2,19 +2,18 @@
 //! that becomes the single `mmctl: <what failed>: <why>` line.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use mm_proto::Lsn;
 use mm_proto::api::{
-    AddNodeRequest, ClusterConflictsResponse, ErrorKind, InitResponse, NodeInfo, NodeState,
-    PairRequest, PauseResponse, PendingRequest, PendingResponse, SkipRequest, SkipResponse,
-    StatusResponse, StreamState, StreamStatus, WalLsnResponse,
+    ClusterConflictsResponse, ErrorKind, InitResponse, NodeInfo, NodeState, PairRequest,
+    PauseResponse, PendingRequest, PendingResponse, SkipRequest, SkipResponse, StatusResponse,
+    StreamState, StreamStatus, WalLsnResponse,
 };
 use serde::Serialize;
 
-use super::client::{AgentClient, ClientError};
+use super::client::AgentClient;
 use super::output::{ClusterStatus, NodeView, PairView, render_conflicts, render_status};
 
 /// A failed command: printed as `mmctl: {what}: {why}`.
@@ -70,31 +69,6 @@ pub async fn init(c: &AgentClient, agent: &str) -> Result<Output, CtlError> {
             r.name, r.node_id
         ),
         &r,
-    )
-}
-
-pub async fn add_node(
-    c: &AgentClient,
-    agent: &str,
-    name: &str,
-    url: &str,
-) -> Result<Output, CtlError> {
-    let req = AddNodeRequest {
-        name: name.to_owned(),
-        url: url.to_owned(),
-    };
-    let spinner = Spinner::start(format!("adding node {name}"));
-    // No client timeout: the agent bounds each add-node step itself and
-    // answers with the step that timed out.
-    let res: Result<NodeInfo, ClientError> = c.post(agent, "/v1/nodes", &req, None).await;
-    spinner.stop();
-    let node = res.map_err(|e| CtlError::new(format!("add-node {name}"), e))?;
-    Output::new(
-        format!(
-            "node {} (id {}) is {} at {}",
-            node.name, node.id, node.state, node.api_url
-        ),
-        &node,
     )
 }
 
@@ -604,47 +578,6 @@ fn lag_text(s: &StreamStatus) -> String {
         (Some(b), Some(t)) => format!("lag {b} bytes, {t:.1} s"),
         (Some(b), None) => format!("lag {b} bytes"),
         _ => "lag unknown".into(),
-    }
-}
-
-/// Progress on a terminal while a long call runs: elapsed seconds on stderr,
-/// rewritten in place. Nothing at all when stderr is not a terminal.
-struct Spinner {
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Spinner {
-    fn start(label: String) -> Self {
-        if !std::io::stderr().is_terminal() {
-            return Self { task: None };
-        }
-        let task = tokio::spawn(async move {
-            let started = Instant::now();
-            let frames = ['|', '/', '-', '\\'];
-            let mut i = 0usize;
-            loop {
-                let mut err = std::io::stderr();
-                let _ = write!(
-                    err,
-                    "\r{} {label} … {}s ",
-                    frames[i % frames.len()],
-                    started.elapsed().as_secs()
-                );
-                let _ = err.flush();
-                i += 1;
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        });
-        Self { task: Some(task) }
-    }
-
-    fn stop(self) {
-        if let Some(t) = self.task {
-            t.abort();
-            let mut err = std::io::stderr();
-            let _ = write!(err, "\r\x1b[2K");
-            let _ = err.flush();
-        }
     }
 }
 

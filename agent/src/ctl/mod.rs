@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod commands;
+mod join;
 pub mod output;
 mod part;
 mod sequence;
@@ -61,6 +62,10 @@ pub enum Command {
         /// The new node's agent API URL (its api.advertise).
         #[arg(long)]
         url: String,
+        /// The active node to copy the data from (default: the least
+        /// lagged one).
+        #[arg(long)]
+        source: Option<String>,
     },
     /// Part node NAME from the cluster, whether it is up or down: streams
     /// to and from it stop, its slots and origins are dropped everywhere,
@@ -229,7 +234,9 @@ pub async fn run(cli: &Cli) -> Result<Output, CtlError> {
     let agent = cli.agent.trim_end_matches('/');
     match &cli.command {
         Command::Init => commands::init(&c, agent).await,
-        Command::AddNode { name, url } => commands::add_node(&c, agent, name, url).await,
+        Command::AddNode { name, url, source } => {
+            join::add_node(&c, agent, name, url, source.as_deref(), cli.json).await
+        }
         Command::Status => commands::status(&c, agent).await,
         Command::WaitSync {
             timeout,

@@ -22,6 +22,13 @@ openraft::declare_raft_types!(
 #[serde(rename_all = "snake_case")]
 pub enum ClusterRequest {
     AddNode(NodeInfo),
+    /// Adds a node that gets its data from `source` (add-node with data):
+    /// recorded `syncing`, so no stream into it starts until its copy is
+    /// done (`sync`), while its own writes already stream out.
+    AddSyncingNode {
+        node: NodeInfo,
+        source: String,
+    },
     SetNodeState {
         name: String,
         state: NodeState,
@@ -110,6 +117,9 @@ pub struct ClusterState {
     /// Global sequences by schema-qualified name.
     #[serde(default)]
     pub sequences: BTreeMap<String, GlobalSequence>,
+    /// Per node being added with data: the node it copies from.
+    #[serde(default)]
+    pub sync_sources: BTreeMap<String, String>,
 }
 
 /// Node names become parts of slot and origin names (`mm_<from>_to_<to>`),
@@ -141,6 +151,25 @@ impl ClusterState {
 
     fn try_apply(&mut self, req: &ClusterRequest) -> Result<(), String> {
         match req {
+            ClusterRequest::AddSyncingNode { node, source } => {
+                match self.node_by_name(source) {
+                    Some(s) if s.state == NodeState::Active => {}
+                    Some(s) => {
+                        return Err(format!(
+                            "source node {source} is {}, not active: it cannot be copied from",
+                            s.state
+                        ));
+                    }
+                    None => return Err(format!("unknown source node {source}")),
+                }
+                let node = NodeInfo {
+                    state: NodeState::Syncing,
+                    ..node.clone()
+                };
+                self.try_apply(&ClusterRequest::AddNode(node.clone()))?;
+                self.sync_sources.insert(node.name, source.clone());
+                Ok(())
+            }
             ClusterRequest::AddNode(info) => {
                 if !is_valid_node_name(&info.name) {
                     return Err(format!(
@@ -181,6 +210,9 @@ impl ClusterState {
                     .find(|n| &n.name == name)
                     .ok_or_else(|| format!("unknown node {name}"))?;
                 node.state = *state;
+                if *state == NodeState::Active {
+                    self.sync_sources.remove(name);
+                }
                 Ok(())
             }
             ClusterRequest::RemoveNode { name } => {
@@ -189,6 +221,7 @@ impl ClusterState {
                     .map(|n| n.id)
                     .ok_or_else(|| format!("unknown node {name}"))?;
                 self.nodes.remove(&id);
+                self.sync_sources.remove(name);
                 self.removed_ids.insert(id);
                 self.removed_names.insert(name.clone());
                 self.paused.retain(|(from, to)| from != name && to != name);

@@ -627,7 +627,7 @@ async fn send_feedback(
 
 /// Creates the slot on the publisher unless it exists. The subscriber owns it:
 /// it is `<from>`'s WAL kept for us.
-async fn ensure_slot(
+pub(crate) async fn ensure_slot(
     client: &mut ReplicationClient,
     slot: &str,
 ) -> Result<(), mm_proto::client::ClientError> {

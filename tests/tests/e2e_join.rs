@@ -1,0 +1,331 @@
+//! add-node with data: a node joins a cluster that holds rows and keeps
+//! taking writes on every node, and ends with exactly every row, each with
+//! the version (commit timestamp) it has everywhere else.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use mm_tests::rng::Rng;
+use mm_tests::{AgentProcess, PgNode, PgOptions, TestCluster};
+
+const SCHEMA: &str = "
+CREATE TYPE mood AS ENUM ('calm', 'busy');
+CREATE TABLE kv (id bigint PRIMARY KEY, v text NOT NULL, m mood NOT NULL DEFAULT 'calm', n int NOT NULL DEFAULT 0);
+CREATE TABLE ident (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, note text, twice int GENERATED ALWAYS AS (length(note) * 2) STORED);
+CREATE TABLE big (id int PRIMARY KEY, doc text NOT NULL);
+ALTER TABLE big ALTER COLUMN doc SET STORAGE EXTERNAL;
+CREATE TABLE part (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+CREATE TABLE part_eu PARTITION OF part FOR VALUES IN ('eu');
+CREATE TABLE part_us PARTITION OF part FOR VALUES IN ('us');
+CREATE INDEX kv_v ON kv (v);";
+
+/// Rows loaded before the join, in `LOAD_TXNS` transactions, plus
+/// `SINGLE_TXNS` one-row transactions (versions the copy keeps one by one).
+const LOAD_ROWS: i64 = 200_000;
+const LOAD_TXNS: i64 = 4;
+const SINGLE_TXNS: i64 = 300;
+
+fn rows_to_load() -> i64 {
+    std::env::var("MM_JOIN_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(LOAD_ROWS)
+}
+
+async fn load(c: &TestCluster, rows: i64) -> Result<()> {
+    let per = rows / LOAD_TXNS;
+    for t in 0..LOAD_TXNS {
+        let node = (t as usize) % c.pg.len();
+        c.pg[node]
+            .execute(&format!(
+                "INSERT INTO kv (id, v) SELECT g, 'load-' || g FROM generate_series({}, {}) g",
+                t * per + 1,
+                (t + 1) * per
+            ))
+            .await?;
+    }
+    for i in 0..SINGLE_TXNS {
+        let node = (i as usize) % c.pg.len();
+        c.pg[node]
+            .execute(&format!(
+                "UPDATE kv SET v = 'single-{i}', m = 'busy' WHERE id = {}",
+                i * 37 + 1
+            ))
+            .await?;
+    }
+    c.pg[0]
+        .execute(
+            "INSERT INTO ident (note) SELECT 'note ' || g FROM generate_series(1, 500) g;
+             INSERT INTO big SELECT g, repeat(md5(g::text), 300) FROM generate_series(1, 40) g;
+             INSERT INTO part SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'p' || g FROM generate_series(1, 1000) g;
+             DELETE FROM kv WHERE id % 1000 = 7;",
+        )
+        .await?;
+    Ok(())
+}
+
+/// Writes on node `i` until `stop`: inserts of its own keys, updates and
+/// deletes anywhere in the loaded range.
+async fn writer(
+    conn: tokio_postgres::Client,
+    i: usize,
+    seed: u64,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<u64> {
+    let mut rng = Rng::new(seed ^ ((i as u64 + 1) * 0x9E37_79B9));
+    let mut done = 0u64;
+    let mut next = 10_000_000 * (i as i64 + 1);
+    while !*stop.borrow() {
+        let k = 1 + rng.below(rows_to_load() as u64) as i64;
+        let sql = match rng.below(6) {
+            0 | 1 => {
+                next += 1;
+                format!("INSERT INTO kv (id, v) VALUES ({next}, 'w{i}-{done}')")
+            }
+            2 | 3 => format!("UPDATE kv SET v = 'u{i}-{done}', n = n + 1 WHERE id = {k}"),
+            4 => format!("DELETE FROM kv WHERE id = {k}"),
+            _ => format!(
+                "UPDATE big SET doc = repeat(md5('{i}-{done}'), 300) WHERE id = {}",
+                1 + k % 40
+            ),
+        };
+        match conn.batch_execute(&sql).await {
+            Ok(()) => done += 1,
+            // A deadlock with an apply session: this write did not happen.
+            Err(e) if e.code().is_some_and(|s| s.code().starts_with("40")) => {}
+            Err(e) => return Err(e).context(sql),
+        }
+        tokio::time::sleep(Duration::from_millis(5 + rng.below(20))).await;
+    }
+    Ok(done)
+}
+
+/// A node and its agent, not a member yet; `schema` runs on it first.
+async fn new_node(c: &mut TestCluster, name: &str, schema: &str) -> Result<()> {
+    let pg = PgNode::start_with(name, PgOptions::default())?;
+    if !schema.is_empty() {
+        pg.execute(schema).await?;
+    }
+    let mut agent = AgentProcess::spawn(name, &pg, &c.secrets)?;
+    agent.wait_ready(Duration::from_secs(30)).await?;
+    c.pg.push(pg);
+    c.agents.push(agent);
+    Ok(())
+}
+
+/// Every replicated table identical on every node, and every row's commit
+/// timestamp too: the copy kept the versions last-writer-wins compares.
+async fn assert_converged(c: &TestCluster) -> Result<usize> {
+    let kv = c
+        .assert_same("SELECT id, v, m, n FROM kv ORDER BY id")
+        .await?;
+    c.assert_same(
+        "SELECT id, pg_xact_commit_timestamp(xmin)::text FROM kv \
+         WHERE pg_xact_commit_timestamp(xmin) IS NOT NULL ORDER BY id",
+    )
+    .await
+    .context("row versions differ")?;
+    c.assert_same("SELECT id, note, twice FROM ident ORDER BY id")
+        .await?;
+    c.assert_same("SELECT id, md5(doc), pg_xact_commit_timestamp(xmin)::text FROM big ORDER BY id")
+        .await?;
+    c.assert_same("SELECT tableoid::regclass::text, id, region, v FROM part ORDER BY id")
+        .await?;
+    Ok(kv.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["j1", "j2", "j3"], SCHEMA).await?;
+    let rows = rows_to_load();
+    load(&c, rows).await?;
+    c.wait_sync(120).await?;
+    // The new node's database is empty: the schema comes from the source.
+    new_node(&mut c, "j4", "").await?;
+
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for i in 0..3 {
+        let conn = c.pg[i].connect().await?;
+        writers.push(tokio::spawn(writer(conn, i, 42, stop.clone())));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    let url = c.agents[3].url();
+    let out = c
+        .mmctl(0, &["--json", "add-node", "--name", "j4", "--url", &url])
+        .await?;
+    let took = started.elapsed();
+    ensure!(
+        out.success(),
+        "add-node failed: {}{}",
+        out.stderr,
+        out.stdout
+    );
+    let added = out.json()?;
+    ensure!(added["state"] == "active", "{added}");
+    // Progress came as JSON events on stderr while it ran.
+    let events: Vec<serde_json::Value> = out
+        .stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    ensure!(
+        events
+            .iter()
+            .any(|e| e["event"] == "add-node" && e["progress"]["phase"].is_string()),
+        "no progress events: {}",
+        out.stderr
+    );
+    // A little more writing with j4 in: its own writes reach everyone.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    c.pg[3]
+        .execute(
+            "INSERT INTO kv (id, v) SELECT g, 'from j4' FROM generate_series(90000001, 90000100) g",
+        )
+        .await?;
+    stop_tx.send(true)?;
+    let mut writes = 0;
+    for w in writers {
+        writes += w.await??;
+    }
+    c.wait_sync(180).await?;
+    let n = assert_converged(&c).await?;
+    ensure!(
+        n as i64 > rows - rows / 1000 - 1,
+        "kv has {n} rows, fewer than loaded"
+    );
+    let from_j4 = c.pg[1]
+        .query_one_string("SELECT count(*) FROM kv WHERE v = 'from j4'")
+        .await?;
+    ensure!(
+        from_j4.as_deref() == Some("100"),
+        "j4's rows on j2: {from_j4:?}"
+    );
+    // Identity values continue after the copied ones on the new node.
+    c.pg[3]
+        .execute("INSERT INTO ident (note) VALUES ('after')")
+        .await?;
+    let id = c.pg[3]
+        .query_one_string("SELECT id FROM ident WHERE note = 'after'")
+        .await?;
+    ensure!(
+        id.as_deref() == Some("501"),
+        "identity on j4 restarted: {id:?}"
+    );
+    tracing::info!(
+        rows,
+        writes,
+        join_secs = took.as_secs_f64(),
+        "joined under load"
+    );
+    eprintln!(
+        "e2e_join: {rows} rows, {writes} concurrent writes, add-node took {:.1} s",
+        took.as_secs_f64()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_node_refuses_a_table_that_differs_until_it_is_fixed() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["r1", "r2"], SCHEMA).await?;
+    load(&c, 2000).await?;
+    let wrong = SCHEMA.replace("n int NOT NULL DEFAULT 0", "n bigint NOT NULL DEFAULT 0");
+    new_node(&mut c, "r3", &wrong).await?;
+    let url = c.agents[2].url();
+    let out = c
+        .mmctl(0, &["add-node", "--name", "r3", "--url", &url])
+        .await?;
+    ensure!(!out.success(), "add-node accepted a different table");
+    ensure!(
+        out.stderr.contains("public.kv") && out.stderr.contains("n bigint"),
+        "the refusal does not name the table and the difference: {}",
+        out.stderr
+    );
+    // The others carry on meanwhile.
+    c.pg[0]
+        .execute("INSERT INTO kv (id, v) VALUES (-1, 'meanwhile')")
+        .await?;
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM kv WHERE id = -1",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await?;
+    // Fixed: the same command finishes the join.
+    c.pg[2]
+        .execute("ALTER TABLE kv ALTER COLUMN n TYPE int")
+        .await?;
+    let out = c
+        .mmctl(0, &["add-node", "--name", "r3", "--url", &url])
+        .await?;
+    ensure!(out.success(), "add-node after the fix: {}", out.stderr);
+    c.wait_sync(120).await?;
+    assert_converged(&c).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["k1", "k2", "k3"], SCHEMA).await?;
+    load(&c, rows_to_load()).await?;
+    c.wait_sync(120).await?;
+    new_node(&mut c, "k4", "").await?;
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for i in 0..3 {
+        let conn = c.pg[i].connect().await?;
+        writers.push(tokio::spawn(writer(conn, i, 7, stop.clone())));
+    }
+    let url = c.agents[3].url();
+    let token = c.token_file();
+    let agent0 = c.agents[0].url();
+    let join = tokio::spawn(async move {
+        mm_tests::agent::mmctl(
+            &agent0,
+            &token,
+            &["add-node", "--name", "k4", "--url", &url],
+        )
+        .await
+    });
+    // Kill the new node's agent in the middle of its copy...
+    c.wait_for(
+        3,
+        "SELECT count(*) FROM pg_tables WHERE schemaname = 'mm' AND tablename = 'sync_state'",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await?;
+    c.wait_for(
+        3,
+        "SELECT count(*) FROM mm.sync_state WHERE phase = 'copying'",
+        "1",
+        Duration::from_secs(120),
+    )
+    .await?;
+    c.agents[3].kill9()?;
+    // ... and a source candidate's too, while the new one is down.
+    c.agents[1].kill9()?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    c.agents[1].start()?;
+    c.agents[1].wait_ready(Duration::from_secs(30)).await?;
+    c.agents[3].start()?;
+    c.agents[3].wait_ready(Duration::from_secs(30)).await?;
+    let out = join.await??;
+    ensure!(
+        out.success(),
+        "the interrupted add-node did not finish: {}",
+        out.stderr
+    );
+    stop_tx.send(true)?;
+    for w in writers {
+        w.await??;
+    }
+    c.wait_sync(180).await?;
+    assert_converged(&c).await?;
+    Ok(())
+}
