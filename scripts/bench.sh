@@ -30,7 +30,13 @@ if [[ $(id -u) == 0 ]] && ! id mmtest >/dev/null 2>&1; then
     useradd -m -s /bin/sh mmtest
 fi
 
-cargo build --release -p mm-agent --bins -p mm-tests --bin mm-bench
+# `bench.sh join [--rows N] [--versions K]`: add-node's copy vs pg_dump|psql.
+bench_bin=mm-bench
+if [[ ${1:-} == join ]]; then
+    shift
+    bench_bin=join-bench
+fi
+cargo build --release -p mm-agent --bins -p mm-tests --bin "$bench_bin"
 
 # Wherever this checkout builds to (.cargo/config.toml or CARGO_TARGET_DIR).
 target=$(cargo metadata --format-version 1 --no-deps |
@@ -39,4 +45,4 @@ target=$(cargo metadata --format-version 1 --no-deps |
 
 export MM_AGENT_BIN="$target/release/mm-agent"
 export MMCTL_BIN="$target/release/mmctl"
-exec "$target/release/mm-bench" "$@"
+exec "$target/release/$bench_bin" "$@"

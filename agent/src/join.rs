@@ -47,7 +47,7 @@ impl Default for JoinOptions {
         Self {
             catch_up_timeout: Duration::from_secs(60),
             streams_timeout: Duration::from_secs(300),
-            poll_interval: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(200),
             wait_for_streams: true,
             sync_timeout: Duration::from_secs(24 * 3600),
         }
@@ -378,7 +378,7 @@ async fn wait_synced(
             last_report = tokio::time::Instant::now();
             tracing::info!(node = %node.name, progress = %now, "add-node 3/6: copying");
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -293,20 +293,29 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
         .await
     });
     // Kill the new node's agent in the middle of its copy...
-    c.wait_for(
-        3,
-        "SELECT count(*) FROM pg_tables WHERE schemaname = 'mm' AND tablename = 'sync_state'",
-        "1",
-        Duration::from_secs(30),
-    )
-    .await?;
-    c.wait_for(
-        3,
-        "SELECT count(*) FROM mm.sync_state WHERE phase = 'copying'",
-        "1",
-        Duration::from_secs(120),
-    )
-    .await?;
+    let k4 = c.pg[3].connect().await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let phase = k4
+            .query_opt(
+                "SELECT phase FROM mm.sync_state WHERE to_regclass('mm.sync_state') IS NOT NULL",
+                &[],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get::<_, String>(0));
+        match phase.as_deref() {
+            Some("copying") => break,
+            Some(other) => anyhow::bail!("the copy went to {other} before it could be interrupted"),
+            None => {}
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the copy never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     c.agents[3].kill9()?;
     // ... and a source candidate's too, while the new one is down.
     c.agents[1].kill9()?;
@@ -315,7 +324,26 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
     c.agents[1].wait_ready(Duration::from_secs(30)).await?;
     c.agents[3].start()?;
     c.agents[3].wait_ready(Duration::from_secs(30)).await?;
-    let out = join.await??;
+    let out = match tokio::time::timeout(Duration::from_secs(150), join).await {
+        Ok(r) => r??,
+        Err(_) => {
+            let tail = |i: usize| {
+                c.agents[i]
+                    .log()
+                    .lines()
+                    .filter(|l| !l.contains("DEBUG"))
+                    .rev()
+                    .take(30)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            anyhow::bail!(
+                "the interrupted add-node did not return in 150 s\n--- k4 (newest first) ---\n{}\n--- k1 ---\n{}",
+                tail(3),
+                tail(0)
+            );
+        }
+    };
     ensure!(
         out.success(),
         "the interrupted add-node did not finish: {}",

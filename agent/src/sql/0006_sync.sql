@@ -8,5 +8,11 @@ CREATE TABLE mm.sync_state (
   source text NOT NULL,
   phase text NOT NULL CHECK (phase IN ('copying', 'done')),
   tables text[] NOT NULL DEFAULT '{}',
+  -- The copy created the tables from the source's definitions (indexes,
+  -- keys and triggers follow the rows, as in pg_dump's restore order) ...
+  created boolean NOT NULL DEFAULT false,
+  -- ... and has added those (a retry of a copy that got this far must
+  -- not add them twice; one that did not must still add them).
+  post_data_done boolean NOT NULL DEFAULT false,
   started_at timestamptz NOT NULL DEFAULT now(),
   finished_at timestamptz);

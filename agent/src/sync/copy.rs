@@ -101,6 +101,74 @@ pub async fn source_progress(reader: &Client) -> Result<Vec<(String, String)>, S
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// COPY out of the source into COPY in here; (rows, bytes). Rows are fed
+/// without a flush each (the sink sends in large writes).
+async fn pipe(
+    out: tokio_postgres::CopyOutStream,
+    sink: tokio_postgres::CopyInSink<bytes::Bytes>,
+) -> Result<(u64, u64), String> {
+    pin_mut!(out);
+    pin_mut!(sink);
+    let mut bytes = 0u64;
+    while let Some(chunk) = out.next().await {
+        let chunk = chunk.map_err(|e| format!("reading: {}", pg_err(e)))?;
+        bytes += chunk.len() as u64;
+        sink.feed(chunk).await.map_err(pg_err)?;
+    }
+    let rows = sink.as_mut().finish().await.map_err(pg_err)?;
+    Ok((rows, bytes))
+}
+
+/// The version most rows of `table` share (the transaction that loaded
+/// it, typically), for one straight COPY: (xmin, roident, commit
+/// timestamp; None for rows without a known one). None for an empty table,
+/// and when the COPY would have to come before rows that must be frozen
+/// first (rows without a version, other than these).
+async fn dominant_version(
+    reader: &Client,
+    table: &str,
+) -> Result<Option<(String, Option<i64>, Option<String>)>, String> {
+    let top = reader
+        .query_opt(
+            &format!(
+                "SELECT r.xmin::text FROM {table} AS r GROUP BY r.xmin ORDER BY count(*) DESC LIMIT 1"
+            ),
+            &[],
+        )
+        .await
+        .map_err(pg_err)?;
+    let Some(top) = top else {
+        return Ok(None);
+    };
+    let xmin: String = top.get(0);
+    let v = reader
+        .query_one(
+            "SELECT v.roident::int8, v.\"timestamp\"::text \
+             FROM pg_catalog.pg_xact_commit_timestamp_origin($1::text::xid) AS v",
+            &[&xmin],
+        )
+        .await
+        .map_err(pg_err)?;
+    let (roident, ts): (Option<i64>, Option<String>) = (v.get(0), v.get(1));
+    if ts.is_some() {
+        let unversioned = reader
+            .query_opt(
+                &format!(
+                    "SELECT 1 FROM {table} AS r \
+                     LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true \
+                     WHERE r.xmin::text <> $1 AND v.\"timestamp\" IS NULL LIMIT 1"
+                ),
+                &[&xmin],
+            )
+            .await
+            .map_err(pg_err)?;
+        if unversioned.is_some() {
+            return Ok(None);
+        }
+    }
+    Ok(Some((xmin, roident, ts)))
+}
+
 /// What one copy moves: a SELECT on the source whose last two columns are
 /// the version (`roident`, commit timestamp), the staging columns' types,
 /// and the INSERT on the new node that reads the staging table.
@@ -109,6 +177,11 @@ struct Spec {
     stage_types: Vec<String>,
     insert: String,
     target: String,
+    /// A table written by one transaction (a bulk load, the common case
+    /// for big tables) goes straight from the source's COPY into the
+    /// target's, in one transaction with that version: (the source's
+    /// SELECT without the version, the target's COPY).
+    direct: Option<(String, String)>,
 }
 
 /// The new node's end of the copy: one session, under replication origins.
@@ -195,11 +268,21 @@ impl Writer {
                 stage.join(", ")
             )
         };
+        let plain = if cols.is_empty() {
+            None
+        } else {
+            let list: Vec<String> = cols.iter().map(|c| format!("r.{c}")).collect();
+            Some((
+                format!("SELECT {} FROM {} AS r", list.join(", "), t.sql),
+                format!("COPY {} ({}) FROM STDIN", t.sql, cols.join(", ")),
+            ))
+        };
         let spec = Spec {
             select,
             stage_types: t.columns.iter().map(|(_, ty)| ty.clone()).collect(),
             insert,
             target: t.sql.clone(),
+            direct: plain,
         };
         self.copy(reader, &spec).await
     }
@@ -223,6 +306,7 @@ impl Writer {
             insert: "INSERT INTO mm.tombstones (relid, key) SELECT c0::regclass, c1 FROM pg_temp.mm_stage"
                 .into(),
             target: "mm.tombstones".into(),
+            direct: None,
         };
         self.copy(reader, &tombstones).await?;
         let truncates = Spec {
@@ -235,6 +319,7 @@ impl Writer {
             insert: "INSERT INTO mm.truncates (relid) SELECT c0::regclass FROM pg_temp.mm_stage"
                 .into(),
             target: "mm.truncates".into(),
+            direct: None,
         };
         self.copy(reader, &truncates).await?;
         Ok(())
@@ -313,6 +398,21 @@ impl Writer {
     /// Source rows into the staging table, then into the target one
     /// version at a time.
     async fn copy(&mut self, reader: &Client, spec: &Spec) -> Result<(u64, u64), String> {
+        let started = std::time::Instant::now();
+        // The rows of the most common version in one straight COPY, the
+        // others (if any) through the staging table below.
+        let mut rest = String::new();
+        let mut direct = (0u64, 0u64);
+        if let Some((select, copy_in)) = &spec.direct
+            && let Some((xmin, roident, ts)) = dominant_version(reader, &spec.target).await?
+        {
+            let lit = xmin.replace('\'', "''");
+            let one = format!("{select} WHERE r.xmin::text = '{lit}'");
+            direct = self
+                .copy_direct(reader, spec, &one, copy_in, (roident, ts))
+                .await?;
+            rest = format!(" WHERE r.xmin::text <> '{lit}'");
+        }
         let mut ddl =
             String::from("DROP TABLE IF EXISTS pg_temp.mm_stage; CREATE TEMP TABLE mm_stage (");
         for (i, ty) in spec.stage_types.iter().enumerate() {
@@ -322,7 +422,7 @@ impl Writer {
         self.client.batch_execute(&ddl).await.map_err(pg_err)?;
 
         let out = reader
-            .copy_out(format!("COPY ({}) TO STDOUT", spec.select).as_str())
+            .copy_out(format!("COPY ({}{rest}) TO STDOUT", spec.select).as_str())
             .await
             .map_err(|e| format!("reading: {}", pg_err(e)))?;
         let sink = self
@@ -330,15 +430,9 @@ impl Writer {
             .copy_in("COPY pg_temp.mm_stage FROM STDIN")
             .await
             .map_err(pg_err)?;
-        pin_mut!(out);
-        pin_mut!(sink);
-        let mut bytes = 0u64;
-        while let Some(chunk) = out.next().await {
-            let chunk = chunk.map_err(|e| format!("reading: {}", pg_err(e)))?;
-            bytes += chunk.len() as u64;
-            sink.send(chunk).await.map_err(pg_err)?;
-        }
-        let rows = sink.as_mut().finish().await.map_err(pg_err)?;
+        let (rows, bytes) = pipe(out, sink).await?;
+        let (rows, bytes) = (rows + direct.0, bytes + direct.1);
+        let staged = started.elapsed();
 
         self.client
             .batch_execute("CREATE INDEX ON pg_temp.mm_stage (t, o); ANALYZE pg_temp.mm_stage")
@@ -405,6 +499,52 @@ impl Writer {
             .batch_execute("DROP TABLE pg_temp.mm_stage")
             .await
             .map_err(pg_err)?;
+        tracing::info!(
+            target = %spec.target,
+            rows,
+            bytes,
+            versions = groups.len(),
+            staged_secs = staged.as_secs_f64(),
+            total_secs = started.elapsed().as_secs_f64(),
+            "add-node: table copied"
+        );
+        Ok((rows, bytes))
+    }
+
+    /// A table whose rows all share one version: one COPY straight in.
+    async fn copy_direct(
+        &mut self,
+        reader: &Client,
+        spec: &Spec,
+        select: &str,
+        copy_in: &str,
+        (roident, ts): (Option<i64>, Option<String>),
+    ) -> Result<(u64, u64), String> {
+        let node = match ts {
+            Some(_) => self.node_of(roident),
+            None => self.source.clone(),
+        };
+        self.set_origin(&node).await?;
+        self.client.batch_execute("BEGIN").await.map_err(pg_err)?;
+        if let Some(ts) = &ts {
+            self.client
+                .execute(
+                    "SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $1::text::timestamptz)",
+                    &[ts],
+                )
+                .await
+                .map_err(pg_err)?;
+        }
+        let out = reader
+            .copy_out(format!("COPY ({select}) TO STDOUT").as_str())
+            .await
+            .map_err(|e| format!("reading: {}", pg_err(e)))?;
+        let sink = self.client.copy_in(copy_in).await.map_err(pg_err)?;
+        let (rows, bytes) = pipe(out, sink).await?;
+        self.client.batch_execute("COMMIT").await.map_err(pg_err)?;
+        if ts.is_none() {
+            self.freeze(&spec.target).await?;
+        }
         Ok((rows, bytes))
     }
 

@@ -180,7 +180,7 @@ impl Syncer {
             .await
             .map_err(|e| local_err(e.to_string()))?;
         let state = read_state(&local).await?;
-        if let Some((source, phase, _)) = &state
+        if let Some(State { source, phase, .. }) = &state
             && phase == "done"
         {
             self.progress.update(|r| {
@@ -190,10 +190,10 @@ impl Syncer {
             });
             return Ok(());
         }
-        if let Some((_, _, tables)) = &state {
+        if let Some(st) = &state {
             self.progress
                 .phase("cleanup", "undoing an interrupted copy".into());
-            undo(&local, tables).await?;
+            undo(&local, &st.tables).await?;
         }
         let src = &j.source;
 
@@ -261,21 +261,27 @@ impl Syncer {
             "schema",
             format!("{} replicated tables on {}", tables.len(), src.name),
         );
-        schema::prepare(
-            &local,
-            (&self.dsn, self.password.as_deref()),
-            &src.peer_dsn,
-            self.password.as_deref(),
-            &snapshot,
-            &tables,
-        )
-        .await?;
-        // Every reader holds the snapshot now: the slot's connection may go.
-        holder.close().await;
+        let source = schema::Source {
+            dsn: &src.peer_dsn,
+            password: self.password.as_deref(),
+            snapshot: &snapshot,
+        };
+        let local_dsn = (self.dsn.as_str(), self.password.as_deref());
+        // Recorded before the tables are made (in one transaction), so a
+        // retry knows their keys and indexes are still to come.
+        let needs_create = schema::needs_create(&local, &tables).await?;
+        let created = needs_create
+            || state
+                .as_ref()
+                .is_some_and(|s| s.created && !s.post_data_done);
+        let post_done = !needs_create && state.as_ref().is_some_and(|s| s.post_data_done);
         let progress_rows = copy::source_progress(&reader)
             .await
             .map_err(SyncError::at(&src.name, "reading mm.apply_progress"))?;
-        record_copying(&local, &src.name, &tables).await?;
+        record_copying(&local, &src.name, &tables, created, post_done).await?;
+        if needs_create {
+            schema::pre_data(local_dsn, &source, &tables).await?;
+        }
 
         let mut writer = copy::Writer::open(&self.dsn, self.password.as_deref(), &src.name, me)
             .await
@@ -320,7 +326,21 @@ impl Syncer {
                 step: "setting sequences",
                 detail: e,
             })?;
+        if created && !post_done {
+            self.progress
+                .phase("schema", "indexes, keys and triggers".into());
+            schema::post_data(local_dsn, &source, &tables).await?;
+            local
+                .batch_execute("UPDATE mm.sync_state SET post_data_done = true")
+                .await
+                .map_err(|e| SyncError::at(me, "recording the copy")(e.to_string()))?;
+        }
+        crate::schema::install_triggers(&local)
+            .await
+            .map_err(|e| SyncError::Schema(e.to_string()))?;
         let _ = reader.batch_execute("COMMIT").await;
+        // The snapshot was needed until here (pg_dump reads it).
+        holder.close().await;
 
         // 4. Done, with the progress the copy stands for.
         finish(&local, &src.name, c_s, &progress_rows, me).await?;
@@ -339,50 +359,83 @@ impl Syncer {
     }
 }
 
-/// (source, phase, tables) from `mm.sync_state`, if a copy ever started.
-async fn read_state(local: &Client) -> Result<Option<(String, String, Vec<String>)>, SyncError> {
+/// `mm.sync_state`, if a copy ever started.
+struct State {
+    source: String,
+    phase: String,
+    tables: Vec<String>,
+    created: bool,
+    post_data_done: bool,
+}
+
+async fn read_state(local: &Client) -> Result<Option<State>, SyncError> {
     let row = local
-        .query_opt("SELECT source, phase, tables FROM mm.sync_state", &[])
+        .query_opt(
+            "SELECT source, phase, tables, created, post_data_done FROM mm.sync_state",
+            &[],
+        )
         .await
         .map_err(|e| SyncError::Node {
             node: "local".into(),
             step: "reading mm.sync_state",
             detail: e.to_string(),
         })?;
-    Ok(row.map(|r| (r.get(0), r.get(1), r.get(2))))
+    Ok(row.map(|r| State {
+        source: r.get(0),
+        phase: r.get(1),
+        tables: r.get(2),
+        created: r.get(3),
+        post_data_done: r.get(4),
+    }))
 }
 
-/// Empties what an interrupted copy filled.
+/// Empties what an interrupted copy filled (the tables it had made, if it
+/// got that far).
 async fn undo(local: &Client, tables: &[String]) -> Result<(), SyncError> {
+    let err = |e: tokio_postgres::Error| SyncError::Node {
+        node: "local".into(),
+        step: "undoing an interrupted copy",
+        detail: match e.as_db_error() {
+            Some(d) => d.message().to_owned(),
+            None => e.to_string(),
+        },
+    };
     let mut sql = String::from("BEGIN; ");
     for t in tables {
-        // Stored as regclass text (quoted as needed) by `record_copying`.
-        sql.push_str(&format!("TRUNCATE {t}; "));
+        // Stored as quoted, qualified names by `record_copying`.
+        let exists: bool = local
+            .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[t])
+            .await
+            .map_err(err)?
+            .get(0);
+        if exists {
+            sql.push_str(&format!("TRUNCATE {t}; "));
+        }
     }
     sql.push_str(
-        "DELETE FROM mm.tombstones; DELETE FROM mm.truncates; DELETE FROM mm.apply_progress; \
-         DELETE FROM mm.sync_state; COMMIT",
+        // mm.sync_state stays: whether the tables still lack their keys
+        // must survive a crash right after this.
+        "DELETE FROM mm.tombstones; DELETE FROM mm.truncates; DELETE FROM mm.apply_progress; COMMIT",
     );
-    local
-        .batch_execute(&sql)
-        .await
-        .map_err(|e| SyncError::Node {
-            node: "local".into(),
-            step: "undoing an interrupted copy",
-            detail: e.to_string(),
-        })
+    local.batch_execute(&sql).await.map_err(err)
 }
 
 async fn record_copying(
     local: &Client,
     source: &str,
     tables: &[copy::Table],
+    created: bool,
+    post_data_done: bool,
 ) -> Result<(), SyncError> {
     let names: Vec<String> = tables.iter().map(|t| t.sql.clone()).collect();
     local
         .execute(
-            "INSERT INTO mm.sync_state (source, phase, tables) VALUES ($1, 'copying', $2)",
-            &[&source, &names],
+            "INSERT INTO mm.sync_state (source, phase, tables, created, post_data_done) \
+             VALUES ($1, 'copying', $2, $3, $4) ON CONFLICT (singleton) DO UPDATE SET \
+             source = EXCLUDED.source, phase = 'copying', tables = EXCLUDED.tables, \
+             created = EXCLUDED.created, post_data_done = EXCLUDED.post_data_done, \
+             started_at = now(), finished_at = NULL",
+            &[&source, &names, &created, &post_data_done],
         )
         .await
         .map(|_| ())

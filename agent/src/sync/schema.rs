@@ -81,23 +81,37 @@ async fn fit(local: &Client, tables: &[Table]) -> Result<Fit, SyncError> {
     }
 }
 
-/// Inside the copy's snapshot: creates the tables when the node has none.
-pub async fn prepare(
-    local: &Client,
+/// True when the node has none of the tables (they are to be created);
+/// refuses a node that has some, or different ones.
+pub async fn needs_create(local: &Client, tables: &[Table]) -> Result<bool, SyncError> {
+    Ok(!tables.is_empty() && matches!(fit(local, tables).await?, Fit::Empty))
+}
+
+/// The tables, without their indexes, keys and triggers (`post_data`,
+/// after the rows, as pg_dump's own restore order has it).
+pub async fn pre_data(
     local_dsn: (&str, Option<&str>),
-    source_dsn: &str,
-    password: Option<&str>,
-    snapshot: &str,
+    source: &Source<'_>,
     tables: &[Table],
 ) -> Result<(), SyncError> {
-    match fit(local, tables).await? {
-        Fit::Ready => Ok(()),
-        Fit::Empty if tables.is_empty() => Ok(()),
-        Fit::Empty => {
-            let schemas: BTreeSet<&str> = tables.iter().map(|t| t.schema.as_str()).collect();
-            restore(local_dsn, source_dsn, password, snapshot, &schemas).await
-        }
-    }
+    restore(local_dsn, source, tables, "pre-data").await
+}
+
+/// Indexes, keys and triggers of the tables `prepare` created, then the
+/// agent's own triggers.
+pub async fn post_data(
+    local_dsn: (&str, Option<&str>),
+    source: &Source<'_>,
+    tables: &[Table],
+) -> Result<(), SyncError> {
+    restore(local_dsn, source, tables, "post-data").await
+}
+
+/// Where pg_dump reads the definitions: the source inside the snapshot.
+pub struct Source<'a> {
+    pub dsn: &'a str,
+    pub password: Option<&'a str>,
+    pub snapshot: &'a str,
 }
 
 fn describe(cols: &[(String, String)]) -> String {
@@ -126,12 +140,13 @@ async fn pg_dump_path(local: &Client) -> String {
 
 async fn restore(
     (local_dsn, local_password): (&str, Option<&str>),
-    source_dsn: &str,
-    password: Option<&str>,
-    snapshot: &str,
-    schemas: &BTreeSet<&str>,
+    source: &Source<'_>,
+    tables: &[Table],
+    section: &str,
 ) -> Result<(), SyncError> {
-    // A session of its own: the dump's SET commands stay in it.
+    let schemas: BTreeSet<&str> = tables.iter().map(|t| t.schema.as_str()).collect();
+    // A session of its own: the dump's SET commands stay in it. One
+    // implicit transaction: all of the section or none of it.
     let local = &crate::pg::connect(local_dsn, local_password)
         .await
         .map_err(|e| SyncError::Schema(e.to_string()))?;
@@ -145,12 +160,13 @@ async fn restore(
         "--no-subscriptions",
         "--no-security-labels",
     ])
-    .arg(format!("--snapshot={snapshot}"));
-    for s in schemas {
+    .arg(format!("--snapshot={}", source.snapshot))
+    .arg(format!("--section={section}"));
+    for s in &schemas {
         cmd.arg(format!("--schema={s}"));
     }
-    cmd.arg("--dbname").arg(source_dsn);
-    if let Some(pw) = password {
+    cmd.arg("--dbname").arg(source.dsn);
+    if let Some(pw) = source.password {
         cmd.env("PGPASSWORD", pw);
     }
     cmd.stdin(std::process::Stdio::null());
@@ -173,7 +189,7 @@ async fn restore(
     );
     local.batch_execute(&sql).await.map_err(|e| {
         SyncError::Schema(format!(
-            "creating the tables from the source's definitions: {}",
+            "creating the tables from the source's definitions ({section}): {}",
             match e.as_db_error() {
                 Some(d) => d.message().to_owned(),
                 None => e.to_string(),
