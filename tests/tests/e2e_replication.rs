@@ -64,6 +64,15 @@ async fn two_nodes_replicate_both_ways() -> Result<()> {
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
+    // Lag comes from a probe that runs once a second: give it one round.
+    let mut metrics = metrics;
+    for _ in 0..30 {
+        if metrics.contains("mm_stream_lag_bytes{from=\"a1\",to=\"a2\"}") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        metrics = c.agents[1].metrics(&c.token_file()).await?;
+    }
     assert!(metrics.contains("mm_stream_lag_bytes{from=\"a1\",to=\"a2\"}"));
     assert!(metrics.contains("mm_stream_lag_seconds{from=\"a1\",to=\"a2\"}"));
     Ok(())
