@@ -128,15 +128,24 @@ async fn dominant_version(
     reader: &Client,
     table: &str,
 ) -> Result<Option<(String, Option<i64>, Option<String>)>, String> {
-    let top = reader
+    // A sample is enough to find it (a full GROUP BY would cost a scan);
+    // small tables may sample nothing: then the first row's.
+    let mut top = reader
         .query_opt(
             &format!(
-                "SELECT r.xmin::text FROM {table} AS r GROUP BY r.xmin ORDER BY count(*) DESC LIMIT 1"
+                "SELECT r.xmin::text FROM {table} AS r TABLESAMPLE SYSTEM (1) \
+                 GROUP BY r.xmin ORDER BY count(*) DESC LIMIT 1"
             ),
             &[],
         )
         .await
         .map_err(pg_err)?;
+    if top.is_none() {
+        top = reader
+            .query_opt(&format!("SELECT r.xmin::text FROM {table} AS r LIMIT 1"), &[])
+            .await
+            .map_err(pg_err)?;
+    }
     let Some(top) = top else {
         return Ok(None);
     };
@@ -156,7 +165,7 @@ async fn dominant_version(
                 &format!(
                     "SELECT 1 FROM {table} AS r \
                      LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true \
-                     WHERE r.xmin::text <> $1 AND v.\"timestamp\" IS NULL LIMIT 1"
+                     WHERE NOT (r.xmin = $1::text::xid) AND v.\"timestamp\" IS NULL LIMIT 1"
                 ),
                 &[&xmin],
             )
@@ -407,11 +416,11 @@ impl Writer {
             && let Some((xmin, roident, ts)) = dominant_version(reader, &spec.target).await?
         {
             let lit = xmin.replace('\'', "''");
-            let one = format!("{select} WHERE r.xmin::text = '{lit}'");
+            let one = format!("{select} WHERE r.xmin = '{lit}'::xid");
             direct = self
                 .copy_direct(reader, spec, &one, copy_in, (roident, ts))
                 .await?;
-            rest = format!(" WHERE r.xmin::text <> '{lit}'");
+            rest = format!(" WHERE NOT (r.xmin = '{lit}'::xid)");
         }
         let mut ddl =
             String::from("DROP TABLE IF EXISTS pg_temp.mm_stage; CREATE TEMP TABLE mm_stage (");
