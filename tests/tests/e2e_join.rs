@@ -17,6 +17,8 @@ ALTER TABLE big ALTER COLUMN doc SET STORAGE EXTERNAL;
 CREATE TABLE part (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
 CREATE TABLE part_eu PARTITION OF part FOR VALUES IN ('eu');
 CREATE TABLE part_us PARTITION OF part FOR VALUES IN ('us');
+CREATE TABLE nokey (a int, b text);
+ALTER TABLE nokey REPLICA IDENTITY FULL;
 CREATE INDEX kv_v ON kv (v);";
 
 /// Rows loaded before the join, in `LOAD_TXNS` transactions, plus
@@ -58,6 +60,7 @@ async fn load(c: &TestCluster, rows: i64) -> Result<()> {
             "INSERT INTO ident (note) SELECT 'note ' || g FROM generate_series(1, 500) g;
              INSERT INTO big SELECT g, repeat(md5(g::text), 300) FROM generate_series(1, 40) g;
              INSERT INTO part SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'p' || g FROM generate_series(1, 1000) g;
+             INSERT INTO nokey SELECT g % 10, 'x' || g FROM generate_series(1, 2000) g;
              DELETE FROM kv WHERE id % 1000 = 7;",
         )
         .await?;
@@ -130,6 +133,9 @@ async fn assert_converged(c: &TestCluster) -> Result<usize> {
     c.assert_same("SELECT id, md5(doc), pg_xact_commit_timestamp(xmin)::text FROM big ORDER BY id")
         .await?;
     c.assert_same("SELECT tableoid::regclass::text, id, region, v FROM part ORDER BY id")
+        .await?;
+    // A table without a key (REPLICA IDENTITY FULL).
+    c.assert_same("SELECT a, b, count(*) FROM nokey GROUP BY a, b ORDER BY a, b")
         .await?;
     Ok(kv.len())
 }

@@ -142,7 +142,10 @@ async fn dominant_version(
         .map_err(pg_err)?;
     if top.is_none() {
         top = reader
-            .query_opt(&format!("SELECT r.xmin::text FROM {table} AS r LIMIT 1"), &[])
+            .query_opt(
+                &format!("SELECT r.xmin::text FROM {table} AS r LIMIT 1"),
+                &[],
+            )
             .await
             .map_err(pg_err)?;
     }
