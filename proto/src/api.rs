@@ -168,8 +168,10 @@ pub struct AddNodeRequest {
 /// `GET /v1/sync` on a node being added with data: its initial copy.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SyncReport {
-    /// `idle` (nothing to copy), `waiting` (for the peers' positions),
-    /// `schema`, `copying`, `done`, or `failed` (retried: see `error`).
+    /// `idle` (nothing to copy), `starting`, `cleanup`, `waiting` (for the
+    /// peers' positions), `snapshot`, `schema`, `copying`, `done`,
+    /// `failed` (retried: see `error`) or `refused` (the tables do not fit;
+    /// looked at again every few seconds).
     pub phase: String,
     pub source: Option<String>,
     /// What it is doing now, in words.

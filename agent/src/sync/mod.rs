@@ -140,9 +140,14 @@ impl Syncer {
         loop {
             let current = job(&cluster.borrow_and_update(), &self.node);
             if let Some(j) = current {
+                // One update: a report never shows the previous attempt's
+                // refusal under this attempt's number (the leader reads
+                // them together).
                 self.progress.update(|r| {
                     r.source = Some(j.source.name.clone());
                     r.attempts += 1;
+                    r.phase = "starting".into();
+                    r.detail = format!("copying from {}", j.source.name);
                 });
                 let started = Instant::now();
                 match self.attempt(&j, started).await {
