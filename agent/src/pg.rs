@@ -51,6 +51,27 @@ pub fn describe_dsn(dsn: &str) -> String {
 
 /// Connects with the given (optional) password and spawns the connection task.
 /// Startup parameters pin the portable session settings.
+/// Binds the session to replication origin `origin`, created if missing:
+/// its commits then carry that origin (and the timestamp a transaction
+/// sets with `pg_replication_origin_xact_setup`). Apply sessions and the
+/// add-node copy both write under origins this way.
+pub async fn bind_origin(client: &Client, origin: &str) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "SELECT pg_catalog.pg_replication_origin_create($1) \
+             WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = $1)",
+            &[&origin],
+        )
+        .await?;
+    client
+        .execute(
+            "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
+            &[&origin],
+        )
+        .await?;
+    Ok(())
+}
+
 pub async fn connect(dsn: &str, password: Option<&str>) -> Result<Client, PgError> {
     let mut cfg: tokio_postgres::Config = dsn
         .parse()

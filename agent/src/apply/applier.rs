@@ -245,21 +245,7 @@ impl Applier {
             ))
             .await
             .map_err(pg)?;
-        client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_create($1) \
-                 WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = $1)",
-                &[&origin],
-            )
-            .await
-            .map_err(pg)?;
-        client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
-                &[&origin],
-            )
-            .await
-            .map_err(pg)?;
+        crate::pg::bind_origin(&client, origin).await.map_err(pg)?;
         client
             .execute(
                 "INSERT INTO mm.apply_progress (origin, remote_lsn) VALUES ($1, '0/0') \

@@ -206,12 +206,7 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub async fn open(
-        dsn: &str,
-        password: Option<&str>,
-        source: &str,
-        _me: &str,
-    ) -> Result<Writer, String> {
+    pub async fn open(dsn: &str, password: Option<&str>, source: &str) -> Result<Writer, String> {
         let client = crate::pg::connect(dsn, password)
             .await
             .map_err(|e| e.to_string())?;
@@ -388,19 +383,7 @@ impl Writer {
                 .map_err(pg_err)?;
             self.current_origin = None;
         }
-        self.client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_create($1) \
-                 WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = $1)",
-                &[&origin],
-            )
-            .await
-            .map_err(pg_err)?;
-        self.client
-            .execute(
-                "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
-                &[&origin],
-            )
+        crate::pg::bind_origin(&self.client, &origin)
             .await
             .map_err(|e| format!("origin {origin}: {}", pg_err(e)))?;
         self.current_origin = Some(origin);

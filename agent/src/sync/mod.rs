@@ -288,7 +288,7 @@ impl Syncer {
             schema::pre_data(local_dsn, &source, &tables).await?;
         }
 
-        let mut writer = copy::Writer::open(&self.dsn, self.password.as_deref(), &src.name, me)
+        let mut writer = copy::Writer::open(&self.dsn, self.password.as_deref(), &src.name)
             .await
             .map_err(SyncError::at(me, "local database"))?;
         writer
