@@ -16,7 +16,22 @@ use crate::status::StatusRegistry;
 use crate::stream::LocalNode;
 
 #[derive(clap::Parser)]
-#[command(version)]
+#[command(
+    version,
+    after_help = "\
+One mm-agent runs beside every PostgreSQL node of an mm cluster: it streams this
+node's writes to every other node and applies theirs here. Start it with its
+config file, then form the cluster with mmctl (mmctl init on one node, mmctl
+add-node for the others):
+
+  mm-agent --config /etc/mm/agent.toml
+
+The config's keys are explained in mm-agent.example.toml (in the release
+tarball; agent/ in the source). At start the agent checks the node's
+prerequisites (PostgreSQL 16+, wal_level = logical, track_commit_timestamp = on,
+enough slots and senders, a role with REPLICATION) and names every unmet one.
+It logs to stderr; MM_LOG sets the filter (default info). See README.md."
+)]
 struct Args {
     /// The agent's TOML configuration file (keys may be overridden by MM_<SECTION>__<KEY>).
     #[arg(long, short = 'c', env = "MM_CONFIG")]

@@ -24,7 +24,18 @@ use self::commands::{CtlError, Output};
 #[command(
     name = "mmctl",
     version,
-    about = "Operate an mm multi-master PostgreSQL cluster"
+    about = "Operate an mm multi-master PostgreSQL cluster",
+    after_help = "\
+mmctl talks to one agent's API (--agent, default http://127.0.0.1:7601) with the
+cluster token (--token-file, default /etc/mm/token); any agent of the cluster
+will do. A new cluster:
+
+  mmctl --agent http://10.0.0.1:7601 init
+  mmctl --agent http://10.0.0.1:7601 add-node --name n2 --url http://10.0.0.2:7601
+  mmctl status
+
+mmctl COMMAND --help tells more of each command. Exit 0 on success, non-zero with
+one line saying why on failure; --json prints machine-readable output."
 )]
 pub struct Cli {
     /// API URL of the agent to talk to.
