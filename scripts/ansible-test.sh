@@ -10,13 +10,15 @@
 #   - ansible-lint (production profile) passes on the collection;
 #   - the playbook forms a 3-node cluster; writes on every node replicate
 #     (mmctl wait-sync, identical rows on every node);
-#   - a second run with the same inventory reports changed=0;
+#   - a second run changes only what the inventory added (a sequence), and
+#     a run with an unchanged inventory reports changed=0;
 #   - a 4th host added to the inventory (empty database) joins with all
 #     existing data on the next run while a workload writes on two others;
 #   - a host marked mm_state: absent is removed, no slot for it is left on
 #     any node, and a run after that is changed=0 again;
-#   - bad input (a duplicate node name, an empty token) fails the play with
-#     one clear message before anything changes;
+#   - bad input (a duplicate node name; on the running cluster an empty
+#     token, PostgreSQL 15, an unreachable host) fails the play with one
+#     clear message and changes nothing;
 #   - neither the cluster token nor the PostgreSQL password appears in any
 #     playbook output (all runs use -v).
 #
@@ -263,6 +265,15 @@ play() {
     LAST_LOG="$ROOT/logs/$name.log"
 }
 
+# Fails unless the only task that changed anything in the last run is $1.
+assert_changed_only() {
+    local tasks
+    tasks=$(awk '/^TASK \[/ { task = $0; sub(/^TASK \[[^:]*: /, "", task); sub(/\] \**$/, "", task) }
+                 /^changed: \[/ { print task }' "$LAST_LOG" | sort -u)
+    [[ $tasks == "$1" ]] || die "expected only '$1' to change; changed: $(tr '\n' ';' <<<"$tasks")"
+    log "only '$1' changed"
+}
+
 # Fails unless every host in the last run's recap has changed=0.
 assert_unchanged() {
     local bad
@@ -322,11 +333,10 @@ for n in n1 n2 n3; do
 done
 write_inventory "n1 n2 n3" "" "[public.t_id_seq]"
 play sequence
+# Only the new sequence may change anything: the rest is a second run.
+assert_changed_only "Make the listed sequences cluster-global"
 mmctl_on n1 sequence list
 
-step "a second run with the same inventory changes nothing"
-play again
-assert_unchanged
 
 step "writes on every node replicate"
 for n in n1 n2 n3; do
@@ -390,16 +400,35 @@ step "and a run after that changes nothing"
 play again-after-remove
 assert_unchanged
 
-step "bad input: an empty token fails before anything changes"
+# refused NAME REGEX: the playbook must fail, saying REGEX, and change nothing.
+refused() {
+    local name=$1 message=$2 log="$ROOT/logs/bad-$1.log"
+    if ansible-playbook -v -i "$INV/hosts.yml" mm.mm.site >"$log" 2>&1; then
+        die "$name was accepted"
+    fi
+    grep -qE -- "$message" "$log" || die "no clear message for $name (log: $log)"
+    if sed -n '/^PLAY RECAP/,$p' "$log" | grep -qE 'changed=[1-9]'; then
+        die "the refused run ($name) changed something"
+    fi
+    log "$name refused: $(grep -oE -- "$message" "$log" | head -n 1)"
+}
+
+step "bad input on the running cluster: empty token, PostgreSQL 15, an unreachable host"
 cp "$INV/group_vars/mm.yml" "$ROOT/group_vars.bak"
+cp "$INV/hosts.yml" "$ROOT/hosts.bak"
 printf 'mm_cluster_token: ""\n' >>"$INV/group_vars/mm.yml"
-if ansible-playbook -i "$INV/hosts.yml" mm.mm.site >"$ROOT/logs/9-empty-token.log" 2>&1; then
-    die "an empty token was accepted"
-fi
-grep -q "the cluster token is missing" "$ROOT/logs/9-empty-token.log" ||
-    die "no clear message for an empty token (log: $ROOT/logs/9-empty-token.log)"
+refused "an empty token" "the cluster token is missing"
 cp "$ROOT/group_vars.bak" "$INV/group_vars/mm.yml"
-mmctl_on n1 wait-sync --timeout 30 >&2 || die "the cluster is not in sync after the refused run"
+sed -i '0,/mm_agent_unpack_dir/s|\(mm_agent_unpack_dir: .*\)|\1\n      mm_postgres_version: 15|' "$INV/hosts.yml"
+refused "PostgreSQL 15" "mm_postgres_version of n1 is 15; mm needs PostgreSQL 16 or newer"
+cp "$ROOT/hosts.bak" "$INV/hosts.yml"
+# 10.231.77.15 is on the bridge, but no namespace has it.
+sed -i 's|^  vars:|    n5:\n      ansible_host: '"$NET"'.15\n      ansible_ssh_common_args: -o ConnectTimeout=3 -o UserKnownHostsFile='"$ROOT"'/ssh/known_hosts\n  vars:|' "$INV/hosts.yml"
+refused "an unreachable host" "n5 did not answer|\\[n5\\]: UNREACHABLE"
+cp "$ROOT/hosts.bak" "$INV/hosts.yml"
+mmctl_on n1 wait-sync --timeout 30 >&2 || die "the cluster is not in sync after the refused runs"
+[[ $(mmctl_on n1 --json status | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["nodes"]))') == 3 ]] ||
+    die "the refused runs changed the membership"
 
 step "no secret in any playbook output"
 # The secrets as the hosts hold them (what the agents really use), checked
