@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE one command that checks everything: installs what is missing
 # (PostgreSQL, the unprivileged test user, cargo-nextest), then runs format
-# check, clippy, and every test of the workspace against real PostgreSQL.
+# check, clippy, every test of the workspace against real PostgreSQL, and
+# (as root) the Ansible collection's end-to-end test.
 #
 #   scripts/test.sh                 # everything
 #   scripts/test.sh e2e_crash       # extra args go to the test runner
@@ -108,5 +109,13 @@ run_phase "cargo clippy" cargo clippy --workspace --all-targets -- -D warnings
 # building the test targets alone does not produce.
 run_phase "build binaries" cargo build --workspace --bins
 run_phase "tests" run_tests "$@"
+# The Ansible collection against hosts in network namespaces, over SSH
+# (scripts/ansible-test.sh): needs root, so developers' non-root runs skip it.
+# Not run when test names were given (a filtered run is about Rust tests).
+if [[ $(id -u) == 0 && $# -eq 0 ]]; then
+    run_phase "ansible" bash scripts/ansible-test.sh
+else
+    printf '\nskipping the ansible phase (needs root and no test filter): run scripts/ansible-test.sh as root\n' >&2
+fi
 
 ((${#FAILED[@]} == 0))
