@@ -46,6 +46,52 @@ pub struct LocalSequence {
 }
 
 /// `schema.name` split; None when not schema-qualified.
+/// Values of `g` not handed out to any node yet.
+pub fn values_left(g: &GlobalSequence) -> i64 {
+    if g.exhausted {
+        return 0;
+    }
+    g.max.saturating_sub(g.next).saturating_add(1).max(0)
+}
+
+/// Fewer than eight chunks left: reported (status, log, metric) while
+/// every node still has its chunks and reserves to insert from.
+pub fn running_out(g: &GlobalSequence) -> bool {
+    g.exhausted || values_left(g) < g.chunk.saturating_mul(8)
+}
+
+/// The global sequences as `mmctl status` shows them: what is left, and
+/// each node's two newest chunks (in use and reserve).
+pub fn status(state: &ClusterState) -> Vec<mm_proto::api::SequenceStatus> {
+    state
+        .sequences
+        .iter()
+        .map(|(name, g)| {
+            let mut ranges = Vec::new();
+            for n in state.nodes.values() {
+                let mine: Vec<&SequenceRange> =
+                    g.ranges.iter().filter(|r| r.node == n.name).collect();
+                for r in &mine[mine.len().saturating_sub(2)..] {
+                    ranges.push(mm_proto::api::SequenceRangeInfo {
+                        node: r.node.clone(),
+                        start: r.start,
+                        end: r.end,
+                    });
+                }
+            }
+            mm_proto::api::SequenceStatus {
+                name: name.clone(),
+                chunk: g.chunk,
+                max: g.max,
+                left: values_left(g),
+                running_out: running_out(g),
+                exhausted: g.exhausted,
+                ranges,
+            }
+        })
+        .collect()
+}
+
 pub fn split_name(name: &str) -> Option<(&str, &str)> {
     let (schema, seq) = name.split_once('.')?;
     (!schema.is_empty() && !seq.is_empty() && !seq.contains('.')).then_some((schema, seq))
@@ -260,12 +306,15 @@ impl Manager {
                         }
                     }
                 }
-                let left = g.max.saturating_sub(g.next).saturating_add(1);
-                if g.exhausted || left < g.chunk.saturating_mul(8) {
+                if running_out(g) {
                     self.warn(
                         &mut warned,
                         &format!("{name}/left"),
-                        &format!("global sequence {name} is running out: {} values left to hand out (maximum {})", if g.exhausted { 0 } else { left }, g.max),
+                        &format!(
+                            "global sequence {name} is running out: {} values left to hand out (maximum {})",
+                            values_left(g),
+                            g.max
+                        ),
                     );
                 }
             }

@@ -178,8 +178,13 @@ pub struct SyncReport {
     pub detail: String,
     pub tables_total: u64,
     pub tables_done: u64,
+    /// Rows and bytes copied so far (counted as they arrive).
     pub rows: u64,
     pub bytes: u64,
+    /// The source's estimate of its rows (`pg_class.reltuples`), for a
+    /// rate and an ETA; 0 when it has none (never analyzed).
+    #[serde(default)]
+    pub rows_estimate: u64,
     pub elapsed_secs: f64,
     /// The last failure of an attempt (the copy starts again after it).
     pub error: Option<String>,
@@ -235,6 +240,25 @@ pub struct StatusResponse {
     /// data plane has counted them.
     #[serde(default)]
     pub tombstones: Option<u64>,
+    /// The cluster's global sequences (from Raft: the same on every node).
+    #[serde(default)]
+    pub sequences: Vec<SequenceStatus>,
+}
+
+/// A global sequence in `mmctl status`: how much is left to hand out, and
+/// each node's newest chunks (the one in use and its reserve).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceStatus {
+    pub name: String,
+    pub chunk: i64,
+    pub max: i64,
+    /// Values not handed out to any node yet.
+    pub left: i64,
+    /// Fewer than eight chunks left (or none): time to act, long before
+    /// inserts would fail.
+    pub running_out: bool,
+    pub exhausted: bool,
+    pub ranges: Vec<SequenceRangeInfo>,
 }
 
 /// `POST /v1/pending` on the subscriber: is a transaction of `from`

@@ -430,15 +430,39 @@ impl MmctlOutput {
     }
 }
 
-/// Runs `mmctl --agent <url> --token-file <f> <args>`.
-pub async fn mmctl(agent_url: &str, token_file: &Path, args: &[&str]) -> Result<MmctlOutput> {
-    let out = tokio::process::Command::new(mmctl_bin()?)
-        .arg("--agent")
+fn mmctl_command(
+    agent_url: &str,
+    token_file: &Path,
+    args: &[&str],
+) -> Result<tokio::process::Command> {
+    let mut cmd = tokio::process::Command::new(mmctl_bin()?);
+    cmd.arg("--agent")
         .arg(agent_url)
         .arg("--token-file")
         .arg(token_file)
         .args(args)
-        .stdin(Stdio::null())
+        .stdin(Stdio::null());
+    Ok(cmd)
+}
+
+/// Starts `mmctl --agent <url> --token-file <f> <args>` without waiting
+/// for it: for tests that kill it in the middle of a command.
+pub fn mmctl_child(
+    agent_url: &str,
+    token_file: &Path,
+    args: &[&str],
+) -> Result<tokio::process::Child> {
+    mmctl_command(agent_url, token_file, args)?
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting mmctl")
+}
+
+/// Runs `mmctl --agent <url> --token-file <f> <args>`.
+pub async fn mmctl(agent_url: &str, token_file: &Path, args: &[&str]) -> Result<MmctlOutput> {
+    let out = mmctl_command(agent_url, token_file, args)?
         .output()
         .await
         .context("running mmctl")?;

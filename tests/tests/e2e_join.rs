@@ -23,7 +23,7 @@ CREATE INDEX kv_v ON kv (v);";
 
 /// Rows loaded before the join, in `LOAD_TXNS` transactions, plus
 /// `SINGLE_TXNS` one-row transactions (versions the copy keeps one by one).
-const LOAD_ROWS: i64 = 200_000;
+const LOAD_ROWS: i64 = 500_000;
 const LOAD_TXNS: i64 = 4;
 const SINGLE_TXNS: i64 = 300;
 
@@ -67,6 +67,15 @@ async fn load(c: &TestCluster, rows: i64) -> Result<()> {
     Ok(())
 }
 
+/// What one writer did: writes that committed, and of them the inserts
+/// (rows `w{i}-*`, which nothing else touches: each must be on every node
+/// exactly once).
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    writes: u64,
+    inserts: u64,
+}
+
 /// Writes on node `i` until `stop`: inserts of its own keys, updates and
 /// deletes anywhere in the loaded range.
 async fn writer(
@@ -74,33 +83,104 @@ async fn writer(
     i: usize,
     seed: u64,
     stop: tokio::sync::watch::Receiver<bool>,
-) -> Result<u64> {
+) -> Result<Tally> {
     let mut rng = Rng::new(seed ^ ((i as u64 + 1) * 0x9E37_79B9));
-    let mut done = 0u64;
+    let mut t = Tally::default();
     let mut next = 10_000_000 * (i as i64 + 1);
     while !*stop.borrow() {
         let k = 1 + rng.below(rows_to_load() as u64) as i64;
-        let sql = match rng.below(6) {
+        let done = t.writes;
+        let (insert, sql) = match rng.below(6) {
             0 | 1 => {
                 next += 1;
-                format!("INSERT INTO kv (id, v) VALUES ({next}, 'w{i}-{done}')")
+                (
+                    true,
+                    format!("INSERT INTO kv (id, v) VALUES ({next}, 'w{i}-{done}')"),
+                )
             }
-            2 | 3 => format!("UPDATE kv SET v = 'u{i}-{done}', n = n + 1 WHERE id = {k}"),
-            4 => format!("DELETE FROM kv WHERE id = {k}"),
-            _ => format!(
-                "UPDATE big SET doc = repeat(md5('{i}-{done}'), 300) WHERE id = {}",
-                1 + k % 40
+            2 | 3 => (
+                false,
+                format!("UPDATE kv SET v = 'u{i}-{done}', n = n + 1 WHERE id = {k}"),
+            ),
+            4 => (false, format!("DELETE FROM kv WHERE id = {k}")),
+            _ => (
+                false,
+                format!(
+                    "UPDATE big SET doc = repeat(md5('{i}-{done}'), 300) WHERE id = {}",
+                    1 + k % 40
+                ),
             ),
         };
         match conn.batch_execute(&sql).await {
-            Ok(()) => done += 1,
+            Ok(()) => {
+                t.writes += 1;
+                t.inserts += u64::from(insert);
+            }
             // A deadlock with an apply session: this write did not happen.
             Err(e) if e.code().is_some_and(|s| s.code().starts_with("40")) => {}
             Err(e) => return Err(e).context(sql),
         }
         tokio::time::sleep(Duration::from_millis(5 + rng.below(20))).await;
     }
-    Ok(done)
+    Ok(t)
+}
+
+/// Each writer's inserts are on every node exactly once, and no node ever
+/// saw one of them arrive twice (an `insert_exists` conflict).
+async fn assert_each_once(c: &TestCluster, tallies: &[(usize, Tally)]) -> Result<()> {
+    for (i, pg) in c.pg.iter().enumerate() {
+        for (w, t) in tallies {
+            let n = pg
+                .query_one_string(&format!("SELECT count(*) FROM kv WHERE v LIKE 'w{w}-%'"))
+                .await?;
+            ensure!(
+                n == Some(t.inserts.to_string()),
+                "node {i} holds {n:?} of writer {w}'s {} inserts",
+                t.inserts
+            );
+        }
+        let twice = pg
+            .query_one_string(
+                "SELECT count(*) FROM mm.conflict_log WHERE conflict_type = 'insert_exists'",
+            )
+            .await?;
+        ensure!(
+            twice.as_deref() == Some("0"),
+            "node {i} logged {twice:?} insert_exists conflicts: a change arrived twice"
+        );
+    }
+    Ok(())
+}
+
+/// Writes 1000 `part` rows (ids 2001..=3000) on node `i` while its
+/// commit timestamps are off, as in a database from before mm: rows
+/// without a version. (Turning them off forgets every older version on
+/// that node too: run it before anything else is loaded.)
+async fn unversioned_part(c: &TestCluster, i: usize) -> Result<()> {
+    let pg = &c.pg[i];
+    pg.execute("ALTER SYSTEM SET track_commit_timestamp = off")
+        .await?;
+    pg.stop()?;
+    pg.start_again()?;
+    pg.execute(
+        "INSERT INTO part SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'old' || g \
+         FROM generate_series(2001, 3000) g",
+    )
+    .await?;
+    pg.execute("ALTER SYSTEM RESET track_commit_timestamp")
+        .await?;
+    pg.stop()?;
+    pg.start_again()?;
+    let none = pg
+        .query_one_string(
+            "SELECT count(*) FROM part WHERE pg_xact_commit_timestamp(xmin) IS NULL AND id > 2000",
+        )
+        .await?;
+    ensure!(
+        none.as_deref() == Some("1000"),
+        "part rows without a version: {none:?}"
+    );
+    Ok(())
 }
 
 /// A node and its agent, not a member yet; `schema` runs on it first.
@@ -134,38 +214,34 @@ async fn assert_converged(c: &TestCluster) -> Result<usize> {
         .await?;
     c.assert_same("SELECT tableoid::regclass::text, id, region, v FROM part ORDER BY id")
         .await?;
+    // (`part`'s ids over 2000 have no version on one node: see
+    // `unversioned_part`.)
+    c.assert_same(
+        "SELECT id, pg_xact_commit_timestamp(xmin)::text FROM part \
+         WHERE id <= 2000 ORDER BY id",
+    )
+    .await
+    .context("part's row versions differ")?;
     // A table without a key (REPLICA IDENTITY FULL).
     c.assert_same("SELECT a, b, count(*) FROM nokey GROUP BY a, b ORDER BY a, b")
         .await?;
     Ok(kv.len())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<()> {
-    mm_tests::init_tracing();
-    let mut c = TestCluster::start(&["j1", "j2", "j3"], SCHEMA).await?;
-    let rows = rows_to_load();
-    load(&c, rows).await?;
-    c.wait_sync(120).await?;
-    // The new node's database is empty: the schema comes from the source.
-    new_node(&mut c, "j4", "").await?;
-
-    let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let mut writers = Vec::new();
-    for i in 0..3 {
-        let conn = c.pg[i].connect().await?;
-        writers.push(tokio::spawn(writer(conn, i, 42, stop.clone())));
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+/// Runs `mmctl add-node` of the newest node through node 0; returns the
+/// progress events and how long it took.
+async fn add_newest(c: &TestCluster, extra: &[&str]) -> Result<Duration> {
+    let i = c.agents.len() - 1;
+    let name = c.agents[i].name.clone();
+    let url = c.agents[i].url();
     let started = std::time::Instant::now();
-    let url = c.agents[3].url();
-    let out = c
-        .mmctl(0, &["--json", "add-node", "--name", "j4", "--url", &url])
-        .await?;
+    let mut args = vec!["--json", "add-node", "--name", &name, "--url", &url];
+    args.extend_from_slice(extra);
+    let out = c.mmctl(0, &args).await?;
     let took = started.elapsed();
     ensure!(
         out.success(),
-        "add-node failed: {}{}",
+        "add-node {name} failed: {}{}",
         out.stderr,
         out.stdout
     );
@@ -184,6 +260,43 @@ async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<
         "no progress events: {}",
         out.stderr
     );
+    Ok(took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["j1", "j2"], SCHEMA).await?;
+    unversioned_part(&c, 0).await?;
+    let rows = rows_to_load();
+    load(&c, rows).await?;
+    c.wait_sync(120).await?;
+
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for i in 0..2 {
+        let conn = c.pg[i].connect().await?;
+        writers.push((i, tokio::spawn(writer(conn, i, 42, stop.clone()))));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A 3rd node, its database empty (the schema comes from the source),
+    // from the node whose `part` rows have no version: on j3 they get the
+    // oldest version there is...
+    new_node(&mut c, "j3", "").await?;
+    let took3 = add_newest(&c, &["--source", "j1"]).await?;
+    let oldest = "SELECT count(*) FROM part \
+                  WHERE pg_xact_commit_timestamp(xmin) = '1970-01-01 00:00:00+00'";
+    let on_j3 = c.pg[2].query_one_string(oldest).await?;
+    ensure!(
+        on_j3.as_deref() == Some("1000"),
+        "j3 has {on_j3:?} rows of the oldest version in part; j1 had 1000 without one"
+    );
+    // ... then a 4th from wherever is best, while all three write.
+    let conn = c.pg[2].connect().await?;
+    writers.push((2, tokio::spawn(writer(conn, 2, 42, stop.clone()))));
+    new_node(&mut c, "j4", "").await?;
+    let took4 = add_newest(&c, &[]).await?;
+
     // A little more writing with j4 in: its own writes reach everyone.
     tokio::time::sleep(Duration::from_secs(1)).await;
     c.pg[3]
@@ -192,9 +305,9 @@ async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<
         )
         .await?;
     stop_tx.send(true)?;
-    let mut writes = 0;
-    for w in writers {
-        writes += w.await??;
+    let mut tallies = Vec::new();
+    for (i, w) in writers {
+        tallies.push((i, w.await??));
     }
     c.wait_sync(180).await?;
     let n = assert_converged(&c).await?;
@@ -202,6 +315,7 @@ async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<
         n as i64 > rows - rows / 1000 - 1,
         "kv has {n} rows, fewer than loaded"
     );
+    assert_each_once(&c, &tallies).await?;
     let from_j4 = c.pg[1]
         .query_one_string("SELECT count(*) FROM kv WHERE v = 'from j4'")
         .await?;
@@ -220,15 +334,11 @@ async fn add_node_copies_data_and_schema_under_writes_on_every_node() -> Result<
         id.as_deref() == Some("501"),
         "identity on j4 restarted: {id:?}"
     );
-    tracing::info!(
-        rows,
-        writes,
-        join_secs = took.as_secs_f64(),
-        "joined under load"
-    );
+    let writes: u64 = tallies.iter().map(|(_, t)| t.writes).sum();
     eprintln!(
-        "e2e_join: {rows} rows, {writes} concurrent writes, add-node took {:.1} s",
-        took.as_secs_f64()
+        "e2e_join: {rows} rows, {writes} concurrent writes, add-node of j3 took {:.1} s, of j4 {:.1} s",
+        took3.as_secs_f64(),
+        took4.as_secs_f64()
     );
     Ok(())
 }
@@ -274,35 +384,12 @@ async fn add_node_refuses_a_table_that_differs_until_it_is_fixed() -> Result<()>
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Result<()> {
-    mm_tests::init_tracing();
-    let mut c = TestCluster::start(&["k1", "k2", "k3"], SCHEMA).await?;
-    load(&c, rows_to_load()).await?;
-    c.wait_sync(120).await?;
-    new_node(&mut c, "k4", "").await?;
-    let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let mut writers = Vec::new();
-    for i in 0..3 {
-        let conn = c.pg[i].connect().await?;
-        writers.push(tokio::spawn(writer(conn, i, 7, stop.clone())));
-    }
-    let url = c.agents[3].url();
-    let token = c.token_file();
-    let agent0 = c.agents[0].url();
-    let join = tokio::spawn(async move {
-        mm_tests::agent::mmctl(
-            &agent0,
-            &token,
-            &["add-node", "--name", "k4", "--url", &url],
-        )
-        .await
-    });
-    // Kill the new node's agent in the middle of its copy...
-    let k4 = c.pg[3].connect().await?;
+/// Waits until the new node (`c.pg[i]`) is copying rows.
+async fn wait_copying(c: &TestCluster, i: usize) -> Result<()> {
+    let conn = c.pg[i].connect().await?;
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
-        let phase = k4
+        let phase = conn
             .query_opt(
                 "SELECT phase FROM mm.sync_state WHERE to_regclass('mm.sync_state') IS NOT NULL",
                 &[],
@@ -312,7 +399,7 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
             .flatten()
             .map(|r| r.get::<_, String>(0));
         match phase.as_deref() {
-            Some("copying") => break,
+            Some("copying") => return Ok(()),
             Some(other) => anyhow::bail!("the copy went to {other} before it could be interrupted"),
             None => {}
         }
@@ -322,16 +409,62 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    c.agents[3].kill9()?;
-    // ... and a source candidate's too, while the new one is down.
-    c.agents[1].kill9()?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    c.agents[1].start()?;
-    c.agents[1].wait_ready(Duration::from_secs(30)).await?;
-    c.agents[3].start()?;
-    c.agents[3].wait_ready(Duration::from_secs(30)).await?;
-    let out = match tokio::time::timeout(Duration::from_secs(150), join).await {
-        Ok(r) => r??,
+}
+
+/// What is killed in the middle of the copy.
+#[derive(Clone, Copy, PartialEq)]
+enum Kill {
+    /// mmctl and the new node's agent; then mmctl is run again.
+    MmctlAndNewAgent,
+    /// The source's agent (restarted a second later).
+    SourceAgent,
+}
+
+/// A join from k2 into k4 under writes on k1..k3, interrupted by `kill`
+/// in the middle of the copy: the same command finishes it, nothing lost,
+/// nothing twice.
+async fn interrupted_join(kill: Kill) -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["k1", "k2", "k3"], SCHEMA).await?;
+    // Enough rows to be caught in the middle of the copy.
+    load(&c, rows_to_load() * 2 / 5).await?;
+    c.wait_sync(120).await?;
+    new_node(&mut c, "k4", "").await?;
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for i in 0..3 {
+        let conn = c.pg[i].connect().await?;
+        writers.push((i, tokio::spawn(writer(conn, i, 7, stop.clone()))));
+    }
+    let url = c.agents[3].url();
+    let args = ["add-node", "--name", "k4", "--url", &url, "--source", "k2"];
+    let token = c.token_file();
+    let mut first = mm_tests::agent::mmctl_child(&c.agents[0].url(), &token, &args)?;
+    wait_copying(&c, 3).await?;
+    let out = match kill {
+        Kill::MmctlAndNewAgent => {
+            first.kill().await?;
+            c.agents[3].kill9()?;
+            c.agents[3].start()?;
+            c.agents[3].wait_ready(Duration::from_secs(30)).await?;
+            tokio::time::timeout(Duration::from_secs(150), c.mmctl(0, &args)).await
+        }
+        Kill::SourceAgent => {
+            c.agents[1].kill9()?;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            c.agents[1].start()?;
+            c.agents[1].wait_ready(Duration::from_secs(30)).await?;
+            // The first mmctl finishes, or says why; then it is run again.
+            let status = tokio::time::timeout(Duration::from_secs(150), first.wait()).await;
+            ensure!(
+                status.is_ok(),
+                "the interrupted add-node did not return in 150 s"
+            );
+            tokio::time::timeout(Duration::from_secs(150), c.mmctl(0, &args)).await
+        }
+    };
+    let out = match out {
+        Ok(r) => r?,
         Err(_) => {
             let tail = |i: usize| {
                 c.agents[i]
@@ -344,7 +477,7 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
                     .join("\n")
             };
             anyhow::bail!(
-                "the interrupted add-node did not return in 150 s\n--- k4 (newest first) ---\n{}\n--- k1 ---\n{}",
+                "add-node after the interruption did not return in 150 s\n--- k4 (newest first) ---\n{}\n--- k1 ---\n{}",
                 tail(3),
                 tail(0)
             );
@@ -352,14 +485,100 @@ async fn a_join_interrupted_by_kills_finishes_without_loss_or_duplicates() -> Re
     };
     ensure!(
         out.success(),
-        "the interrupted add-node did not finish: {}",
+        "add-node after the interruption did not finish: {}",
         out.stderr
     );
     stop_tx.send(true)?;
-    for w in writers {
-        w.await??;
+    let mut tallies = Vec::new();
+    for (i, w) in writers {
+        tallies.push((i, w.await??));
     }
     c.wait_sync(180).await?;
+    assert_converged(&c).await?;
+    assert_each_once(&c, &tallies).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_whose_mmctl_and_new_agent_are_killed_finishes_when_run_again() -> Result<()> {
+    interrupted_join(Kill::MmctlAndNewAgent).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_whose_source_agent_is_killed_finishes_without_loss_or_duplicates() -> Result<()> {
+    interrupted_join(Kill::SourceAgent).await
+}
+
+/// The names of the cluster's nodes, from `mmctl status --json`.
+async fn members(c: &TestCluster) -> Result<Vec<String>> {
+    let out = c.mmctl(0, &["--json", "status"]).await?;
+    let s = out.json()?;
+    let mut names: Vec<String> = s["nodes"]
+        .as_array()
+        .context("status without nodes")?
+        .iter()
+        .filter_map(|n| n["name"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_node_bad_input_is_one_clear_line_and_changes_nothing() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["b1", "b2"], SCHEMA).await?;
+    load(&c, 1000).await?;
+    new_node(&mut c, "b3", "").await?;
+    let url = c.agents[2].url();
+    let before = members(&c).await?;
+    let cases: [(&[&str], &[&str]); 4] = [
+        // A name that is not the agent's (b1 is taken, too).
+        (&["add-node", "--name", "b1", "--url", &url], &["b3", "b1"]),
+        // Nothing listens there.
+        (
+            &["add-node", "--name", "b3", "--url", "http://127.0.0.1:9"],
+            &["127.0.0.1:9"],
+        ),
+        // Not a URL at all.
+        (
+            &["add-node", "--name", "b3", "--url", "db3:5432"],
+            &["db3:5432"],
+        ),
+        // A source that is not a node.
+        (
+            &[
+                "add-node", "--name", "b3", "--url", &url, "--source", "nope",
+            ],
+            &["nope"],
+        ),
+    ];
+    for (args, says) in cases {
+        let out = c.mmctl(0, args).await?;
+        ensure!(!out.success(), "{args:?} succeeded: {}", out.stdout);
+        let lines: Vec<&str> = out
+            .stderr
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        ensure!(lines.len() == 1, "{args:?}: not one line: {:?}", out.stderr);
+        for word in says {
+            ensure!(
+                lines[0].contains(word),
+                "{args:?}: the error does not say {word:?}: {}",
+                lines[0]
+            );
+        }
+        ensure!(
+            members(&c).await? == before,
+            "{args:?} changed the membership"
+        );
+    }
+    // Nothing was left half-done: the right command still works.
+    let out = c
+        .mmctl(0, &["add-node", "--name", "b3", "--url", &url])
+        .await?;
+    ensure!(out.success(), "add-node b3: {}", out.stderr);
+    c.wait_sync(120).await?;
     assert_converged(&c).await?;
     Ok(())
 }

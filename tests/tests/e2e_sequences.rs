@@ -375,3 +375,77 @@ async fn refills_survive_a_leader_kill_and_a_late_node_gets_its_own_chunks() -> 
     ensure!(gl4.as_deref().is_some_and(|n| n != "0"), "gl4 got no chunk");
     Ok(())
 }
+
+/// A global sequence with few values left (a small type or MAXVALUE) is
+/// reported long before an insert could fail: in `mmctl status` (text and
+/// JSON), in the agents' logs and in /metrics; a roomy one is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_running_out_is_reported_early() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&NAMES[..2], SCHEMA).await?;
+    for pg in &c.pg {
+        pg.execute("CREATE SEQUENCE public.gs_tiny AS smallint MAXVALUE 1000")
+            .await?;
+    }
+    add_sequence(&c, 0, "public.gs_tiny", CHUNK).await?;
+    add_sequence(&c, 0, "public.gs_serial_id_seq", CHUNK).await?;
+    // Both nodes take a chunk and a reserve of each right after the add.
+    let mut v = serde_json::Value::Null;
+    for _ in 0..100 {
+        v = c.mmctl(1, &["--json", "status"]).await?.json()?;
+        let filled = v["sequences"].as_array().is_some_and(|s| {
+            s.len() == 2
+                && s.iter()
+                    .all(|q| q["ranges"].as_array().is_some_and(|r| r.len() == 4))
+        });
+        if filled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let seqs = v["sequences"]
+        .as_array()
+        .context("status without sequences")?;
+    let find = |name: &str| seqs.iter().find(|s| s["name"] == name).cloned();
+    let tiny = find("public.gs_tiny").context("gs_tiny not in status")?;
+    ensure!(
+        tiny["running_out"] == true && tiny["left"].as_i64().is_some_and(|l| l <= 600),
+        "gs_tiny: {tiny}"
+    );
+    ensure!(
+        tiny["ranges"].as_array().is_some_and(|r| r.len() >= 2),
+        "gs_tiny's chunks in status: {tiny}"
+    );
+    let roomy = find("public.gs_serial_id_seq").context("gs_serial_id_seq not in status")?;
+    ensure!(roomy["running_out"] == false, "gs_serial_id_seq: {roomy}");
+
+    let text = c.mmctl(0, &["status"]).await?;
+    ensure!(
+        text.stdout.contains("public.gs_tiny") && text.stdout.contains("RUNNING OUT"),
+        "status text: {}",
+        text.stdout
+    );
+    let metrics = c.agents[0].metrics(&c.token_file()).await?;
+    let left: Option<i64> = metrics
+        .lines()
+        .find(|l| l.starts_with("mm_sequence_values_left{") && l.contains("public.gs_tiny"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok());
+    ensure!(
+        left.is_some_and(|l| l <= 600),
+        "mm_sequence_values_left for gs_tiny: {left:?}"
+    );
+    let mut logged = false;
+    for _ in 0..50 {
+        if c.agents
+            .iter()
+            .any(|a| a.log().contains("public.gs_tiny is running out"))
+        {
+            logged = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ensure!(logged, "no agent logged that gs_tiny is running out");
+    Ok(())
+}

@@ -220,6 +220,7 @@ pub(super) async fn status(State(s): State<AppState>) -> Json<StatusResponse> {
         paused: state.paused.iter().cloned().collect(),
         streams: s.status.snapshot(),
         tombstones: s.status.tombstones(),
+        sequences: crate::sequences::status(&state),
     })
 }
 
@@ -332,11 +333,7 @@ pub(super) async fn metrics(State(s): State<AppState>) -> Response {
             "# HELP mm_sequence_values_left values of a global sequence not handed out to any node yet\n# TYPE mm_sequence_values_left gauge\n",
         );
         for (name, g) in &state.sequences {
-            let left = if g.exhausted {
-                0
-            } else {
-                g.max.saturating_sub(g.next).saturating_add(1).max(0)
-            };
+            let left = crate::sequences::values_left(g);
             let _ = writeln!(
                 out,
                 "mm_sequence_values_left{{node=\"{node}\",sequence=\"{}\"}} {left}",

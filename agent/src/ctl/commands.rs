@@ -311,6 +311,7 @@ pub fn aggregate(
         nodes,
         pairs,
         paused: first.paused.clone(),
+        sequences: first.sequences.clone(),
     }
 }
 
@@ -630,6 +631,7 @@ mod tests {
             paused: vec![("n2".into(), "n1".into())],
             streams,
             tombstones: Some(id * 10),
+            sequences: Vec::new(),
         }
     }
 

@@ -42,19 +42,18 @@ pub async fn add_node(
 pub fn describe(r: &SyncReport) -> String {
     let mut line = format!("{}: {}", r.phase, r.detail);
     if r.tables_total > 0 {
-        let rate = if r.elapsed_secs > 0.0 {
-            r.rows as f64 / r.elapsed_secs
-        } else {
-            0.0
-        };
         line.push_str(&format!(
             " [tables {}/{}, {} rows, {:.1} MB, {:.0} rows/s]",
             r.tables_done,
             r.tables_total,
             r.rows,
             r.bytes as f64 / 1e6,
-            rate
+            rate(r)
         ));
+        if r.rows_estimate > r.rows && rate(r) > 0.0 {
+            let eta = (r.rows_estimate - r.rows) as f64 / rate(r);
+            line.push_str(&format!(" ETA {eta:.0} s"));
+        }
     }
     if let Some(e) = &r.error
         && r.phase == "failed"
@@ -64,8 +63,82 @@ pub fn describe(r: &SyncReport) -> String {
     line
 }
 
+/// How the copy is shown: a live bar on a terminal, plain lines when
+/// stderr is a file or a pipe, JSON lines with `--json`.
+enum Display {
+    Bar(indicatif::ProgressBar),
+    Lines,
+    Json,
+}
+
+impl Display {
+    fn new(json: bool) -> Display {
+        if json {
+            return Display::Json;
+        }
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return Display::Lines;
+        }
+        let bar = indicatif::ProgressBar::new(0);
+        let style = indicatif::ProgressStyle::with_template(
+            "{spinner} add-node [{elapsed_precise}] {bar:30} {pos}/{len} rows (ETA {eta}) {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Display::Bar(bar)
+    }
+
+    fn show(&self, r: &SyncReport, line: &str, changed: bool) {
+        match self {
+            Display::Bar(bar) => {
+                // The estimate can be short of the truth: never past 100 %.
+                bar.set_length(r.rows_estimate.max(r.rows));
+                bar.set_position(r.rows);
+                let msg = match r.phase.as_str() {
+                    "copying" => format!(
+                        "tables {}/{}, {:.1} MB, {:.0} rows/s",
+                        r.tables_done,
+                        r.tables_total,
+                        r.bytes as f64 / 1e6,
+                        rate(r)
+                    ),
+                    _ => line.to_owned(),
+                };
+                bar.set_message(msg);
+            }
+            _ if !changed => {}
+            Display::Lines => eprintln!("add-node: {line}"),
+            Display::Json => {
+                let event = serde_json::json!({ "event": "add-node", "progress": r, "line": line });
+                eprintln!("{event}");
+            }
+        }
+    }
+}
+
+impl Drop for Display {
+    fn drop(&mut self) {
+        if let Display::Bar(bar) = self {
+            bar.finish();
+        }
+    }
+}
+
+fn rate(r: &SyncReport) -> f64 {
+    if r.elapsed_secs > 0.0 {
+        r.rows as f64 / r.elapsed_secs
+    } else {
+        0.0
+    }
+}
+
 async fn watch(c: AgentClient, url: String, json: bool) {
+    let display = Display::new(json);
+    // Plain and JSON lines: on every step, and every 10 s while the rows
+    // flow (a long copy does not print twice a second for hours).
     let mut last = String::new();
+    let mut printed = std::time::Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let Ok(r) = c.get::<SyncReport>(&url, "/v1/sync").await else {
@@ -87,15 +160,18 @@ async fn watch(c: AgentClient, url: String, json: bool) {
                 .collect();
             line = format!("catching up: lag {}", lags.join(", "));
         }
-        if line == last {
+        // Not started yet (or a bad request about to be refused): nothing
+        // to show.
+        if r.phase == "idle" {
             continue;
         }
-        if json {
-            let event = serde_json::json!({ "event": "add-node", "progress": r, "line": line });
-            eprintln!("{event}");
-        } else {
-            eprintln!("add-node: {line}");
+        let key = format!("{} {} {} {}", r.phase, r.detail, r.tables_done, r.attempts);
+        let key = if r.phase == "done" { line.clone() } else { key };
+        let changed = key != last || printed.elapsed() >= Duration::from_secs(10);
+        display.show(&r, &line, changed);
+        if changed {
+            printed = std::time::Instant::now();
         }
-        last = line;
+        last = key;
     }
 }

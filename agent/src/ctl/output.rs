@@ -19,6 +19,9 @@ pub struct ClusterStatus {
     /// Every ordered pair of distinct nodes.
     pub pairs: Vec<PairView>,
     pub paused: Vec<(String, String)>,
+    /// Global sequences: what is left, each node's chunks.
+    #[serde(default)]
+    pub sequences: Vec<mm_proto::api::SequenceStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -190,6 +193,36 @@ pub fn render_status(s: &ClusterStatus) -> String {
     if any {
         let _ = writeln!(out, "\nConflicts (mmctl conflicts lists them)");
         out.push_str(&by_type.render());
+    }
+    if !s.sequences.is_empty() {
+        let mut seqs = Table::new(&["SEQUENCE", "LEFT", "MAX", "CHUNK", "NEWEST CHUNKS", "NOTE"]);
+        for q in &s.sequences {
+            let chunks: Vec<String> = q
+                .ranges
+                .iter()
+                .map(|r| format!("{} {}..{}", r.node, r.start, r.end))
+                .collect();
+            let note = if q.exhausted {
+                "EXHAUSTED: no chunk left to hand out"
+            } else if q.running_out {
+                "RUNNING OUT: fewer than 8 chunks left"
+            } else {
+                ""
+            };
+            seqs.row(vec![
+                q.name.clone(),
+                q.left.to_string(),
+                q.max.to_string(),
+                q.chunk.to_string(),
+                chunks.join(", "),
+                note.into(),
+            ]);
+        }
+        let _ = writeln!(
+            out,
+            "\nGlobal sequences (mmctl sequence list has each node's use)"
+        );
+        out.push_str(&seqs.render());
     }
     out
 }

@@ -7,20 +7,32 @@
 //! rows sharing a version is committed in a transaction of its own, under
 //! that origin (`mm_<node>`, the node that wrote it) and with that commit
 //! timestamp (`pg_replication_origin_xact_setup`): the copy is invisible to
-//! last-writer-wins. Rows without a version are frozen, as on the source.
+//! last-writer-wins. Rows without a version get the oldest one there is
+//! (`UNVERSIONED`).
 //!
 //! Every statement built here names user objects only as quoted
 //! identifiers, and reads the staging table through columns of our own
 //! naming (`c0`, `c1`, ..., `o`, `t`), so no user name can capture ours.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::{SinkExt, StreamExt, pin_mut};
 use tokio_postgres::Client;
 
+use super::schema::Source;
 use crate::apply::sql::quote_ident;
 use crate::stream::names;
+
+/// The version given to rows that have none on the source (written
+/// before `track_commit_timestamp` was on, or with their commit timestamps
+/// truncated away): older than any real change, as an unknown version is
+/// to the conflict rules, so every later change wins against them on the
+/// new node exactly as on the source. It cannot be NULL: PostgreSQL
+/// records a commit timestamp for every transaction, and freezing a row
+/// keeps its xmin's.
+pub(crate) const UNVERSIONED: &str = "1970-01-01 00:00:00+00";
 
 /// Versions (transactions) per round trip when writing the groups.
 const GROUPS_PER_BATCH: usize = 200;
@@ -36,6 +48,34 @@ pub struct Table {
     pub display: String,
     /// Stored (not generated) columns: name and type (format_type).
     pub columns: Vec<(String, String)>,
+    /// Every column of a built-in type (the same type OIDs on every node):
+    /// the rows can travel in COPY's binary format, which both ends parse
+    /// and print faster. Binary arrays and records carry type OIDs, which
+    /// differ between nodes for user-defined types: those go as text.
+    pub binary: bool,
+    /// On-disk size (all partitions), to copy the largest tables first.
+    pub bytes: i64,
+    /// The planner's row estimate (all partitions; 0 if never analyzed).
+    pub rows_estimate: i64,
+}
+
+/// Rows and bytes the copy has moved so far, counted as they flow (a
+/// progress display would otherwise stand still for a table's length).
+#[derive(Debug)]
+pub struct Flow {
+    pub rows: AtomicU64,
+    pub bytes: AtomicU64,
+    pub started: std::time::Instant,
+}
+
+impl Default for Flow {
+    fn default() -> Flow {
+        Flow {
+            rows: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            started: std::time::Instant::now(),
+        }
+    }
 }
 
 fn pg_err(e: tokio_postgres::Error) -> String {
@@ -49,7 +89,16 @@ fn pg_err(e: tokio_postgres::Error) -> String {
 pub async fn published_tables(reader: &Client) -> Result<Vec<Table>, String> {
     let rows = reader
         .query(
-            "SELECT c.oid, n.nspname::text, c.relname::text FROM pg_catalog.pg_publication_tables pt \
+            "SELECT c.oid, n.nspname::text, c.relname::text, \
+             (SELECT coalesce(sum(pg_catalog.pg_relation_size(p.relid)), 0)::int8 \
+              FROM pg_catalog.pg_partition_tree(c.oid) AS p), \
+             (SELECT coalesce(sum(greatest(k.reltuples, 0)), 0)::int8 \
+              FROM pg_catalog.pg_partition_tree(c.oid) AS p \
+              JOIN pg_catalog.pg_class AS k ON k.oid = p.relid), \
+             NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid \
+              AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' \
+              AND a.atttypid >= 16384 /* FirstNormalObjectId */) \
+             FROM pg_catalog.pg_publication_tables pt \
              JOIN pg_catalog.pg_namespace n ON n.nspname = pt.schemaname \
              JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
              WHERE pt.pubname = 'mm' ORDER BY 2, 3",
@@ -69,6 +118,9 @@ pub async fn published_tables(reader: &Client) -> Result<Vec<Table>, String> {
             display: format!("{schema}.{name}"),
             schema,
             columns,
+            bytes: r.get(3),
+            rows_estimate: r.get(4),
+            binary: r.get(5),
         });
     }
     Ok(out)
@@ -106,6 +158,7 @@ pub async fn source_progress(reader: &Client) -> Result<Vec<(String, String)>, S
 async fn pipe(
     out: tokio_postgres::CopyOutStream,
     sink: tokio_postgres::CopyInSink<bytes::Bytes>,
+    flow: &Flow,
 ) -> Result<(u64, u64), String> {
     pin_mut!(out);
     pin_mut!(sink);
@@ -113,6 +166,9 @@ async fn pipe(
     while let Some(chunk) = out.next().await {
         let chunk = chunk.map_err(|e| format!("reading: {}", pg_err(e)))?;
         bytes += chunk.len() as u64;
+        // PostgreSQL sends one COPY data message per row.
+        flow.rows.fetch_add(1, Ordering::Relaxed);
+        flow.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         sink.feed(chunk).await.map_err(pg_err)?;
     }
     let rows = sink.as_mut().finish().await.map_err(pg_err)?;
@@ -121,9 +177,7 @@ async fn pipe(
 
 /// The version most rows of `table` share (the transaction that loaded
 /// it, typically), for one straight COPY: (xmin, roident, commit
-/// timestamp; None for rows without a known one). None for an empty table,
-/// and when the COPY would have to come before rows that must be frozen
-/// first (rows without a version, other than these).
+/// timestamp; None for rows without a known one). None for an empty table.
 async fn dominant_version(
     reader: &Client,
     table: &str,
@@ -161,24 +215,7 @@ async fn dominant_version(
         )
         .await
         .map_err(pg_err)?;
-    let (roident, ts): (Option<i64>, Option<String>) = (v.get(0), v.get(1));
-    if ts.is_some() {
-        let unversioned = reader
-            .query_opt(
-                &format!(
-                    "SELECT 1 FROM {table} AS r \
-                     LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true \
-                     WHERE NOT (r.xmin = $1::text::xid) AND v.\"timestamp\" IS NULL LIMIT 1"
-                ),
-                &[&xmin],
-            )
-            .await
-            .map_err(pg_err)?;
-        if unversioned.is_some() {
-            return Ok(None);
-        }
-    }
-    Ok(Some((xmin, roident, ts)))
+    Ok(Some((xmin, v.get(0), v.get(1))))
 }
 
 /// What one copy moves: a SELECT on the source whose last two columns are
@@ -189,11 +226,97 @@ struct Spec {
     stage_types: Vec<String>,
     insert: String,
     target: String,
-    /// A table written by one transaction (a bulk load, the common case
-    /// for big tables) goes straight from the source's COPY into the
+    /// The rows of a table's most common version (a bulk load, the common
+    /// case for big tables) go straight from the source's COPY into the
     /// target's, in one transaction with that version: (the source's
     /// SELECT without the version, the target's COPY).
     direct: Option<(String, String)>,
+    /// COPY in binary format (every column of a built-in type).
+    binary: bool,
+}
+
+/// PostgreSQL lets one session at a time bind a replication origin (a
+/// second gets "already active"): the copy's parallel writers take turns
+/// per origin, each holding at most one, so they never wait on each other
+/// in a circle.
+#[derive(Debug, Default)]
+pub struct OriginLocks(std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl OriginLocks {
+    fn get(&self, origin: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut map = match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        map.entry(origin.to_owned()).or_default().clone()
+    }
+}
+
+/// A session on the source inside the copy's exported snapshot: every
+/// reader (one per parallel worker) sees exactly the same rows.
+pub async fn snapshot_reader(source: &Source<'_>) -> Result<Client, String> {
+    let reader = crate::pg::connect(source.dsn, source.password)
+        .await
+        .map_err(|e| e.to_string())?;
+    reader
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; SET TRANSACTION SNAPSHOT '{}'",
+            source.snapshot.replace('\'', "''")
+        ))
+        .await
+        .map_err(|e| format!("importing the snapshot: {}", pg_err(e)))?;
+    Ok(reader)
+}
+
+/// Copies `tables` with up to `workers` sessions at each end, largest
+/// first; `done` is told of each table copied. Errors name
+/// the table.
+pub async fn tables(
+    source: &Source<'_>,
+    local: (&str, Option<&str>),
+    source_node: &str,
+    tables: &[Table],
+    workers: usize,
+    flow: &Arc<Flow>,
+    done: &(dyn Fn(&Table) + Sync),
+) -> Result<(), String> {
+    let mut order: Vec<&Table> = tables.iter().collect();
+    order.sort_by_key(|t| std::cmp::Reverse(t.bytes));
+    let queue = std::sync::Mutex::new(std::collections::VecDeque::from(order));
+    let next = || match queue.lock() {
+        Ok(mut q) => q.pop_front(),
+        Err(p) => p.into_inner().pop_front(),
+    };
+    let locks = Arc::new(OriginLocks::default());
+    let worker = |_: usize| {
+        let locks = locks.clone();
+        let next = &next;
+        async move {
+            let Some(mut t) = next() else {
+                return Ok(());
+            };
+            let reader = snapshot_reader(source).await?;
+            let mut writer =
+                Writer::open(local.0, local.1, source_node, locks, flow.clone()).await?;
+            writer
+                .load_origins(&reader)
+                .await
+                .map_err(|e| format!("reading replication origins: {e}"))?;
+            loop {
+                writer
+                    .table(&reader, t)
+                    .await
+                    .map_err(|e| format!("{}: {e}", t.display))?;
+                done(t);
+                match next() {
+                    Some(n) => t = n,
+                    None => return Ok::<(), String>(()),
+                }
+            }
+        }
+    };
+    futures_util::future::try_join_all((0..workers.max(1)).map(worker)).await?;
+    Ok(())
 }
 
 /// The new node's end of the copy: one session, under replication origins.
@@ -202,11 +325,20 @@ pub struct Writer {
     source: String,
     /// Source roident -> node whose origin it is.
     origins: HashMap<u32, String>,
-    current_origin: Option<String>,
+    locks: Arc<OriginLocks>,
+    flow: Arc<Flow>,
+    /// The origin this session has bound, and its turn.
+    current_origin: Option<(String, tokio::sync::OwnedMutexGuard<()>)>,
 }
 
 impl Writer {
-    pub async fn open(dsn: &str, password: Option<&str>, source: &str) -> Result<Writer, String> {
+    pub async fn open(
+        dsn: &str,
+        password: Option<&str>,
+        source: &str,
+        locks: Arc<OriginLocks>,
+        flow: Arc<Flow>,
+    ) -> Result<Writer, String> {
         let client = crate::pg::connect(dsn, password)
             .await
             .map_err(|e| e.to_string())?;
@@ -220,6 +352,8 @@ impl Writer {
             client,
             source: source.to_owned(),
             origins: HashMap::new(),
+            locks,
+            flow,
             current_origin: None,
         })
     }
@@ -260,7 +394,7 @@ impl Writer {
             select.push_str(&format!("r.{c}, "));
         }
         select.push_str(&format!(
-            "v.roident, v.\"timestamp\" FROM {} AS r \
+            "v.roident::int8, v.\"timestamp\" FROM {} AS r \
              LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true",
             t.sql
         ));
@@ -275,13 +409,14 @@ impl Writer {
                 stage.join(", ")
             )
         };
+        let format = if t.binary { " (FORMAT binary)" } else { "" };
         let plain = if cols.is_empty() {
             None
         } else {
             let list: Vec<String> = cols.iter().map(|c| format!("r.{c}")).collect();
             Some((
                 format!("SELECT {} FROM {} AS r", list.join(", "), t.sql),
-                format!("COPY {} ({}) FROM STDIN", t.sql, cols.join(", ")),
+                format!("COPY {} ({}) FROM STDIN{format}", t.sql, cols.join(", ")),
             ))
         };
         let spec = Spec {
@@ -290,6 +425,7 @@ impl Writer {
             insert,
             target: t.sql.clone(),
             direct: plain,
+            binary: t.binary,
         };
         self.copy(reader, &spec).await
     }
@@ -305,7 +441,7 @@ impl Writer {
         };
         let tombstones = Spec {
             select: format!(
-                "SELECT r.relid::regclass::text, r.key, v.roident, v.\"timestamp\" FROM mm.tombstones AS r \
+                "SELECT r.relid::regclass::text, r.key, v.roident::int8, v.\"timestamp\" FROM mm.tombstones AS r \
                  LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true \
                  WHERE r.relid IN ({list})"
             ),
@@ -314,11 +450,12 @@ impl Writer {
                 .into(),
             target: "mm.tombstones".into(),
             direct: None,
+            binary: false,
         };
         self.copy(reader, &tombstones).await?;
         let truncates = Spec {
             select: format!(
-                "SELECT r.relid::regclass::text, v.roident, v.\"timestamp\" FROM mm.truncates AS r \
+                "SELECT r.relid::regclass::text, v.roident::int8, v.\"timestamp\" FROM mm.truncates AS r \
                  LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS v ON true \
                  WHERE r.relid IN ({list})"
             ),
@@ -327,11 +464,11 @@ impl Writer {
                 .into(),
             target: "mm.truncates".into(),
             direct: None,
+            binary: false,
         };
         self.copy(reader, &truncates).await?;
         Ok(())
     }
-
     /// Sequences of the replicated schemas continue where the source's
     /// are, except cluster-global ones (their ranges come from Raft).
     pub async fn sequences(&mut self, reader: &Client) -> Result<(), String> {
@@ -373,9 +510,24 @@ impl Writer {
 
     async fn set_origin(&mut self, node: &str) -> Result<(), String> {
         let origin = names::origin_name(node);
-        if self.current_origin.as_deref() == Some(origin.as_str()) {
+        if self
+            .current_origin
+            .as_ref()
+            .is_some_and(|(o, _)| *o == origin)
+        {
             return Ok(());
         }
+        self.release_origin().await?;
+        let turn = self.locks.get(&origin).lock_owned().await;
+        crate::pg::bind_origin(&self.client, &origin)
+            .await
+            .map_err(|e| format!("origin {origin}: {}", pg_err(e)))?;
+        self.current_origin = Some((origin, turn));
+        Ok(())
+    }
+
+    /// Unbinds the session's origin and gives another writer its turn.
+    async fn release_origin(&mut self) -> Result<(), String> {
         if self.current_origin.is_some() {
             self.client
                 .batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
@@ -383,31 +535,32 @@ impl Writer {
                 .map_err(pg_err)?;
             self.current_origin = None;
         }
-        crate::pg::bind_origin(&self.client, &origin)
-            .await
-            .map_err(|e| format!("origin {origin}: {}", pg_err(e)))?;
-        self.current_origin = Some(origin);
         Ok(())
     }
 
     /// Source rows into the staging table, then into the target one
-    /// version at a time.
+    /// version at a time; the rows of the most common version go straight
+    /// from COPY to COPY instead.
     async fn copy(&mut self, reader: &Client, spec: &Spec) -> Result<(u64, u64), String> {
         let started = std::time::Instant::now();
-        // The rows of the most common version in one straight COPY, the
-        // others (if any) through the staging table below.
-        let mut rest = String::new();
-        let mut direct = (0u64, 0u64);
-        if let Some((select, copy_in)) = &spec.direct
-            && let Some((xmin, roident, ts)) = dominant_version(reader, &spec.target).await?
-        {
+        let format = if spec.binary { " (FORMAT binary)" } else { "" };
+        let dominant = match &spec.direct {
+            Some(_) => dominant_version(reader, &spec.target).await?,
+            None => None,
+        };
+        let only = |xmin: &str, yes: bool| {
             let lit = xmin.replace('\'', "''");
-            let one = format!("{select} WHERE r.xmin = '{lit}'::xid");
-            direct = self
-                .copy_direct(reader, spec, &one, copy_in, (roident, ts))
-                .await?;
-            rest = format!(" WHERE NOT (r.xmin = '{lit}'::xid)");
-        }
+            match yes {
+                true => format!(" WHERE r.xmin = '{lit}'::xid"),
+                false => format!(" WHERE NOT (r.xmin = '{lit}'::xid)"),
+            }
+        };
+        let rest = dominant
+            .as_ref()
+            .map(|(xmin, _, _)| only(xmin, false))
+            .unwrap_or_default();
+
+        // No origin is needed to stage: the other writers may use it.
         let mut ddl =
             String::from("DROP TABLE IF EXISTS pg_temp.mm_stage; CREATE TEMP TABLE mm_stage (");
         for (i, ty) in spec.stage_types.iter().enumerate() {
@@ -415,20 +568,17 @@ impl Writer {
         }
         ddl.push_str("o int8, t timestamptz)");
         self.client.batch_execute(&ddl).await.map_err(pg_err)?;
-
         let out = reader
-            .copy_out(format!("COPY ({}{rest}) TO STDOUT", spec.select).as_str())
+            .copy_out(format!("COPY ({}{rest}) TO STDOUT{format}", spec.select).as_str())
             .await
             .map_err(|e| format!("reading: {}", pg_err(e)))?;
         let sink = self
             .client
-            .copy_in("COPY pg_temp.mm_stage FROM STDIN")
+            .copy_in(format!("COPY pg_temp.mm_stage FROM STDIN{format}").as_str())
             .await
             .map_err(pg_err)?;
-        let (rows, bytes) = pipe(out, sink).await?;
-        let (rows, bytes) = (rows + direct.0, bytes + direct.1);
+        let (mut rows, mut bytes) = pipe(out, sink, &self.flow).await?;
         let staged = started.elapsed();
-
         self.client
             .batch_execute("CREATE INDEX ON pg_temp.mm_stage (t, o); ANALYZE pg_temp.mm_stage")
             .await
@@ -445,24 +595,25 @@ impl Writer {
         let groups: Vec<(Option<i64>, Option<String>)> =
             groups.iter().map(|r| (r.get(0), r.get(1))).collect();
 
-        // Rows without a version first, frozen before any versioned row
-        // exists in the table (freezing would take those versions too).
-        if groups.first().is_some_and(|(_, t)| t.is_none()) {
-            let source = self.source.clone();
-            self.set_origin(&source).await?;
-            self.client
-                .batch_execute(&format!("BEGIN; {} WHERE t IS NULL; COMMIT", spec.insert))
-                .await
-                .map_err(pg_err)?;
-            self.freeze(&spec.target).await?;
+        if let Some(((xmin, roident, ts), (select, copy_in))) =
+            dominant.as_ref().zip(spec.direct.as_ref())
+        {
+            let select = format!("{select}{}", only(xmin, true));
+            let (r, b) = self
+                .copy_direct(reader, &select, copy_in, format, *roident, ts)
+                .await?;
+            (rows, bytes) = (rows + r, bytes + b);
         }
+
         let mut batch = String::new();
         let mut in_batch = 0;
         for (o, t) in &groups {
-            let Some(t) = t else { continue };
-            let node = self.node_of(*o);
+            let node = match t {
+                Some(_) => self.node_of(*o),
+                None => self.source.clone(),
+            };
             let origin = names::origin_name(&node);
-            if self.current_origin.as_deref() != Some(origin.as_str()) {
+            if self.current_origin.as_ref().map(|(o, _)| o) != Some(&origin) {
                 if !batch.is_empty() {
                     self.client.batch_execute(&batch).await.map_err(pg_err)?;
                     batch.clear();
@@ -470,14 +621,20 @@ impl Writer {
                 }
                 self.set_origin(&node).await?;
             }
-            let ts = t.replace('\'', "''");
-            let o_cond = match o {
-                Some(o) => format!("o = {o}"),
-                None => "o IS NULL".to_owned(),
+            let (ts, cond) = match t {
+                Some(t) => {
+                    let ts = t.replace('\'', "''");
+                    let o_cond = match o {
+                        Some(o) => format!("o = {o}"),
+                        None => "o IS NULL".to_owned(),
+                    };
+                    (ts.clone(), format!("t = '{ts}'::timestamptz AND {o_cond}"))
+                }
+                None => (UNVERSIONED.to_owned(), "t IS NULL".to_owned()),
             };
             batch.push_str(&format!(
                 "BEGIN; SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', '{ts}'::timestamptz); \
-                 {} WHERE t = '{ts}'::timestamptz AND {o_cond}; COMMIT; ",
+                 {} WHERE {cond}; COMMIT; ",
                 spec.insert
             ));
             in_batch += 1;
@@ -490,6 +647,7 @@ impl Writer {
         if !batch.is_empty() {
             self.client.batch_execute(&batch).await.map_err(pg_err)?;
         }
+        self.release_origin().await?;
         self.client
             .batch_execute("DROP TABLE pg_temp.mm_stage")
             .await
@@ -498,7 +656,8 @@ impl Writer {
             target = %spec.target,
             rows,
             bytes,
-            versions = groups.len(),
+            versions = groups.len() + usize::from(dominant.is_some()),
+            binary = spec.binary,
             staged_secs = staged.as_secs_f64(),
             total_secs = started.elapsed().as_secs_f64(),
             "add-node: table copied"
@@ -506,14 +665,16 @@ impl Writer {
         Ok((rows, bytes))
     }
 
-    /// A table whose rows all share one version: one COPY straight in.
+    /// The rows of one version: one COPY straight in, in one transaction
+    /// under that version.
     async fn copy_direct(
         &mut self,
         reader: &Client,
-        spec: &Spec,
         select: &str,
         copy_in: &str,
-        (roident, ts): (Option<i64>, Option<String>),
+        format: &str,
+        roident: Option<i64>,
+        ts: &Option<String>,
     ) -> Result<(u64, u64), String> {
         let node = match ts {
             Some(_) => self.node_of(roident),
@@ -521,56 +682,21 @@ impl Writer {
         };
         self.set_origin(&node).await?;
         self.client.batch_execute("BEGIN").await.map_err(pg_err)?;
-        if let Some(ts) = &ts {
-            self.client
-                .execute(
-                    "SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $1::text::timestamptz)",
-                    &[ts],
-                )
-                .await
-                .map_err(pg_err)?;
-        }
+        let ts = ts.as_deref().unwrap_or(UNVERSIONED);
+        self.client
+            .execute(
+                "SELECT pg_catalog.pg_replication_origin_xact_setup('0/0', $1::text::timestamptz)",
+                &[&ts],
+            )
+            .await
+            .map_err(pg_err)?;
         let out = reader
-            .copy_out(format!("COPY ({select}) TO STDOUT").as_str())
+            .copy_out(format!("COPY ({select}) TO STDOUT{format}").as_str())
             .await
             .map_err(|e| format!("reading: {}", pg_err(e)))?;
         let sink = self.client.copy_in(copy_in).await.map_err(pg_err)?;
-        let (rows, bytes) = pipe(out, sink).await?;
+        let (rows, bytes) = pipe(out, sink, &self.flow).await?;
         self.client.batch_execute("COMMIT").await.map_err(pg_err)?;
-        if ts.is_none() {
-            self.freeze(&spec.target).await?;
-        }
         Ok((rows, bytes))
-    }
-
-    /// Freezes a table's rows (no version, as on the source), and checks.
-    async fn freeze(&mut self, target: &str) -> Result<(), String> {
-        for _ in 0..20 {
-            self.client
-                .batch_execute(&format!("VACUUM (FREEZE) {target}"))
-                .await
-                .map_err(pg_err)?;
-            let left: i64 = self
-                .client
-                .query_one(
-                    &format!(
-                        "SELECT count(*) FROM {target} AS r \
-                         WHERE pg_catalog.pg_xact_commit_timestamp(r.xmin) IS NOT NULL"
-                    ),
-                    &[],
-                )
-                .await
-                .map_err(pg_err)?
-                .get(0);
-            if left == 0 {
-                return Ok(());
-            }
-            // An older snapshot on this node keeps them from freezing.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        Err(format!(
-            "rows without a known version could not be frozen on this node (a long-running \
-             transaction holds them back?): {target}"
-        ))
     }
 }

@@ -30,7 +30,9 @@
 //! (`pg_replication_origin_xact_setup`), so a row on N carries the very
 //! version it has on S, and last-writer-wins on N compares late concurrent
 //! changes against it, not against the copy. Rows without a known version
-//! (frozen, or older than track_commit_timestamp) are frozen on N too.
+//! (written before track_commit_timestamp was on) get the oldest version
+//! there is (`copy::UNVERSIONED`), which every later change beats, as an
+//! unknown version does on S.
 //!
 //! An interrupted copy (any process killed at any step) starts again from
 //! the beginning: the tables it was filling are truncated first
@@ -39,6 +41,7 @@
 mod copy;
 mod schema;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +54,11 @@ use tracing::{info, warn};
 
 use crate::raft::ClusterState;
 use crate::stream::names;
+
+/// Tables copied at once (a session at each end each). Two keeps both
+/// servers busy on a small machine; more would mostly wait on the same
+/// disks and replication origins.
+const COPY_WORKERS: usize = 2;
 
 /// Why an attempt failed. Each names the node and the step.
 #[derive(Debug, thiserror::Error)]
@@ -76,14 +84,40 @@ impl SyncError {
 #[derive(Debug, Default)]
 pub struct Progress {
     report: Mutex<SyncReport>,
+    /// The current attempt's rows and bytes, as they flow.
+    flow: Mutex<Arc<copy::Flow>>,
 }
 
 impl Progress {
     pub fn snapshot(&self) -> SyncReport {
-        match self.report.lock() {
+        let mut r = match self.report.lock() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
+        let flow = self.flow();
+        r.rows = flow.rows.load(Ordering::Relaxed);
+        r.bytes = flow.bytes.load(Ordering::Relaxed);
+        if r.phase == "copying" {
+            r.elapsed_secs = flow.started.elapsed().as_secs_f64();
+        }
+        r
+    }
+
+    fn flow(&self) -> Arc<copy::Flow> {
+        match self.flow.lock() {
             Ok(g) => g.clone(),
             Err(p) => p.into_inner().clone(),
         }
+    }
+
+    /// Counts from zero again (a new attempt copies everything again).
+    fn new_flow(&self) -> Arc<copy::Flow> {
+        let flow = Arc::new(copy::Flow::default());
+        match self.flow.lock() {
+            Ok(mut g) => *g = flow.clone(),
+            Err(p) => *p.into_inner() = flow.clone(),
+        }
+        flow
     }
 
     fn update(&self, f: impl FnOnce(&mut SyncReport)) {
@@ -242,35 +276,27 @@ impl Syncer {
         let (holder, c_s, snapshot) = export_slot(src, me, self.password.as_deref()).await?;
 
         // 3. Schema, rows, tombstones, inside that snapshot.
-        let source_err = SyncError::at(&src.name, "reading the snapshot");
-        let reader = crate::pg::connect(&src.peer_dsn, self.password.as_deref())
-            .await
-            .map_err(|e| source_err(e.to_string()))?;
-        reader
-            .batch_execute(&format!(
-                "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; SET TRANSACTION SNAPSHOT '{}'",
-                snapshot.replace('\'', "''")
-            ))
-            .await
-            .map_err(|e| SyncError::at(&src.name, "importing the snapshot")(e.to_string()))?;
-        let tables = copy::published_tables(&reader)
-            .await
-            .map_err(SyncError::at(&src.name, "listing the replicated tables"))?;
-        self.progress.update(|r| {
-            r.tables_total = tables.len() as u64;
-            r.tables_done = 0;
-            r.rows = 0;
-            r.bytes = 0;
-        });
-        self.progress.phase(
-            "schema",
-            format!("{} replicated tables on {}", tables.len(), src.name),
-        );
         let source = schema::Source {
             dsn: &src.peer_dsn,
             password: self.password.as_deref(),
             snapshot: &snapshot,
         };
+        let reader = copy::snapshot_reader(&source)
+            .await
+            .map_err(SyncError::at(&src.name, "reading the snapshot"))?;
+        let tables = copy::published_tables(&reader)
+            .await
+            .map_err(SyncError::at(&src.name, "listing the replicated tables"))?;
+        let flow = self.progress.new_flow();
+        self.progress.update(|r| {
+            r.tables_total = tables.len() as u64;
+            r.tables_done = 0;
+            r.rows_estimate = tables.iter().map(|t| t.rows_estimate.max(0) as u64).sum();
+        });
+        self.progress.phase(
+            "schema",
+            format!("{} replicated tables on {}", tables.len(), src.name),
+        );
         let local_dsn = (self.dsn.as_str(), self.password.as_deref());
         // Recorded before the tables are made (in one transaction), so a
         // retry knows their keys and indexes are still to come.
@@ -288,31 +314,49 @@ impl Syncer {
             schema::pre_data(local_dsn, &source, &tables).await?;
         }
 
-        let mut writer = copy::Writer::open(&self.dsn, self.password.as_deref(), &src.name)
-            .await
-            .map_err(SyncError::at(me, "local database"))?;
+        self.progress.phase(
+            "copying",
+            format!(
+                "{} tables from {} ({COPY_WORKERS} at a time)",
+                tables.len(),
+                src.name
+            ),
+        );
+        let done = |t: &copy::Table| {
+            self.progress.update(|r| {
+                r.tables_done += 1;
+                r.elapsed_secs = started.elapsed().as_secs_f64();
+                r.detail = format!("{} from {}", t.display, src.name);
+            });
+        };
+        copy::tables(
+            &source,
+            local_dsn,
+            &src.name,
+            &tables,
+            COPY_WORKERS,
+            &flow,
+            &done,
+        )
+        .await
+        .map_err(|detail| SyncError::Node {
+            node: me.to_owned(),
+            step: "copying a table",
+            detail,
+        })?;
+        let mut writer = copy::Writer::open(
+            &self.dsn,
+            self.password.as_deref(),
+            &src.name,
+            Default::default(),
+            flow.clone(),
+        )
+        .await
+        .map_err(SyncError::at(me, "local database"))?;
         writer
             .load_origins(&reader)
             .await
             .map_err(SyncError::at(&src.name, "reading replication origins"))?;
-        for t in &tables {
-            self.progress
-                .phase("copying", format!("{} from {}", t.display, src.name));
-            let (rows, bytes) = writer
-                .table(&reader, t)
-                .await
-                .map_err(|e| SyncError::Node {
-                    node: me.to_owned(),
-                    step: "copying a table",
-                    detail: format!("{}: {e}", t.display),
-                })?;
-            self.progress.update(|r| {
-                r.tables_done += 1;
-                r.rows += rows;
-                r.bytes += bytes;
-                r.elapsed_secs = started.elapsed().as_secs_f64();
-            });
-        }
         self.progress
             .phase("copying", "tombstones and truncate versions".into());
         writer
@@ -354,7 +398,8 @@ impl Syncer {
             r.phase = "done".into();
             r.detail = format!(
                 "copied from {} ({} rows); waiting for the streams to start",
-                src.name, r.rows
+                src.name,
+                flow.rows.load(Ordering::Relaxed)
             );
             r.elapsed_secs = elapsed;
             r.error = None;
