@@ -116,9 +116,9 @@ rm -rf "$ROOT"
 trap on_exit EXIT
 mkdir -p -m 0755 "$ROOT" "$ROOT/hosts" "$ROOT/logs"
 
-step "host packages (sshd, sudo, psycopg2 and pip for the modules)"
+step "host packages (ip, ssh, sshd, sudo, psycopg2 and pip for the modules, strip)"
 need=()
-for pkg in openssh-server sudo python3-psycopg2 python3-pip binutils; do
+for pkg in iproute2 openssh-client openssh-server sudo python3-psycopg2 python3-pip binutils; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || need+=("$pkg")
 done
 if ((${#need[@]})); then
@@ -162,7 +162,8 @@ export ANSIBLE_COLLECTIONS_PATH="$ROOT/collections"
 step "ansible-lint --profile production (against the installed collection)"
 (cd ansible && ansible-lint --offline --profile production --nocolor) >&2 || die "ansible-lint failed"
 export ANSIBLE_CALLBACKS_ENABLED=ansible.posix.profile_tasks PROFILE_TASKS_TASK_OUTPUT_LIMIT=12
-export ANSIBLE_PIPELINING=True ANSIBLE_HOST_KEY_CHECKING=True ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+# No ANSIBLE_PIPELINING here: the playbook must set it itself (ansible_pipelining).
+export ANSIBLE_HOST_KEY_CHECKING=True ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
 
 step "hosts: network namespaces with sshd"
 mkdir -p -m 0700 "$ROOT/ssh"
