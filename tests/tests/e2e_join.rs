@@ -582,3 +582,63 @@ async fn add_node_bad_input_is_one_clear_line_and_changes_nothing() -> Result<()
     assert_converged(&c).await?;
     Ok(())
 }
+
+/// A join that will not finish (its new agent killed mid-copy and gone for
+/// good) is cleaned up by `remove-node`: the slots made for it are dropped
+/// everywhere, the others keep replicating, status lists only them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_node_cleans_up_a_half_joined_node() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["h1", "h2"], SCHEMA).await?;
+    load(&c, rows_to_load() * 2 / 5).await?;
+    c.wait_sync(120).await?;
+    new_node(&mut c, "h3", "").await?;
+    let url = c.agents[2].url();
+    let token = c.token_file();
+    let mut join = mm_tests::agent::mmctl_child(
+        &c.agents[0].url(),
+        &token,
+        &["add-node", "--name", "h3", "--url", &url],
+    )?;
+    wait_copying(&c, 2).await?;
+    join.kill().await?;
+    c.agents[2].kill9()?;
+
+    let out = c.mmctl(0, &["remove-node", "--name", "h3"]).await?;
+    ensure!(out.success(), "remove-node h3: {}", out.stderr);
+    ensure!(
+        members(&c).await? == ["h1", "h2"],
+        "status after the removal: {:?}",
+        members(&c).await?
+    );
+    for i in 0..2 {
+        let mut left = None;
+        for _ in 0..100 {
+            left = c.pg[i]
+                .query_one_string(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%h3%'",
+                )
+                .await?;
+            if left.as_deref() == Some("0") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        ensure!(
+            left.as_deref() == Some("0"),
+            "{} still has {left:?} slots for h3",
+            c.pg[i].name()
+        );
+    }
+    c.pg[1]
+        .execute("INSERT INTO kv (id, v) VALUES (-5, 'after the removal')")
+        .await?;
+    c.wait_for(
+        0,
+        "SELECT count(*) FROM kv WHERE id = -5",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await?;
+    Ok(())
+}
