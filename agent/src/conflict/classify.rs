@@ -130,6 +130,17 @@ pub fn detect(f: &Facts) -> Detection {
                 return conflict(kind, Local::Target);
             }
             if !f.collisions.is_empty() {
+                // The key's own tombstone counts too: a row deleted after
+                // this insert stays deleted, whatever else holds its
+                // unique values (judged against the collision alone, the
+                // insert won here and lost where the delete came later).
+                if let (Some(t), None) = (&f.tombstone, &f.target)
+                    && !t.routine
+                    && f.collisions.iter().all(|c| t.rank() > c.rank())
+                    && let Detection::Conflict { kind, .. } = collisions()
+                {
+                    return conflict(kind, Local::Tombstone);
+                }
                 return collisions();
             }
             match &f.tombstone {

@@ -106,6 +106,40 @@ fn insert_colliding_with_another_keys_row_compensates_the_loser() {
     assert_eq!(lost.label, "keep_local");
 }
 
+/// Seen as a divergence (MM_SEED=970135483): node B deleted row 1 after
+/// node A inserted it; on B, A's older insert collided with another row's
+/// unique value, won against that row alone and brought row 1 back, while
+/// A applied B's delete. The later tombstone must win there too.
+#[test]
+fn an_insert_colliding_elsewhere_still_loses_to_its_keys_later_tombstone() {
+    let f = Facts {
+        tombstone: Some(seen(false, 9, "b")),
+        collisions: vec![seen(false, 3, "b")],
+        ..facts(Op::Insert)
+    };
+    assert_eq!(
+        detect(&f),
+        conflict(ConflictType::InsertExists, Local::Tombstone)
+    );
+    let lost = plan(&f, Local::Tombstone, &Resolution::KeepLocal);
+    assert_eq!(lost.write, Write::Nothing);
+    assert!(!lost.delete_collisions);
+    // Won against the tombstone, it won against every collision too.
+    let won = plan(&f, Local::Tombstone, &Resolution::ApplyRemote);
+    assert!(won.delete_collisions && won.write == Write::Change);
+    // An older tombstone, or one the publisher saw: the collision decides.
+    for t in [seen(false, 1, "b"), seen(true, 9, "b")] {
+        let f = Facts {
+            tombstone: Some(t),
+            ..f.clone()
+        };
+        assert_eq!(
+            detect(&f),
+            conflict(ConflictType::InsertExists, Local::Collision(0))
+        );
+    }
+}
+
 #[test]
 fn a_taken_key_is_judged_first_then_the_unique_values() {
     let mut f = Facts {
