@@ -1852,3 +1852,175 @@ async fn local_delete_tombstone_beats_an_older_update() -> Result<()> {
     )
     .await
 }
+
+// ---------------------------------------------------------------------------
+// Two streams into one node, racing for one key.
+
+/// Streams from different peers apply in parallel sessions. Here A's and
+/// B's inserts of key 100 reach C at the same moment, B's inside a careful
+/// (resolver) transaction: B judges key 100 free while A's insert is not yet
+/// committed, and its insert waits on A's. When A commits, B's insert fails
+/// with a unique violation that says nothing about the change itself; the
+/// stream must judge its transaction again (now against A's row) instead of
+/// stopping there for ever.
+///
+/// Made deterministic with one row lock: A's transaction also updates row 1,
+/// which a session on C holds `FOR UPDATE` until B's insert waits behind A's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_streams_racing_for_one_key_in_the_careful_path_converge() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["rk1", "rk2", "rk3"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'seed'), (2, 'seed')").await?;
+    for (from, to) in [
+        ("rk1", "rk3"),
+        ("rk2", "rk3"),
+        ("rk1", "rk2"),
+        ("rk2", "rk1"),
+    ] {
+        c.pause(from, to).await?;
+    }
+    // Row 2 changed on C: B's update of it is a conflict there (careful path).
+    write(&c, 2, "UPDATE t SET v = 'c' WHERE id = 2").await?;
+    // A: the insert first, then a routine update that will wait on C's lock.
+    write(
+        &c,
+        0,
+        "INSERT INTO t VALUES (100, 'a'); UPDATE t SET v = 'a' WHERE id = 1",
+    )
+    .await?;
+    // B: the conflict first (careful), then the insert of the same key.
+    write(
+        &c,
+        1,
+        "UPDATE t SET v = 'b' WHERE id = 2; INSERT INTO t VALUES (100, 'b')",
+    )
+    .await?;
+
+    let holder = c.pg[2].connect().await?;
+    holder
+        .batch_execute("BEGIN; SELECT * FROM t WHERE id = 1 FOR UPDATE")
+        .await?;
+    c.resume("rk1", "rk3").await?;
+    // A's transaction now holds key 100 uncommitted and waits on row 1.
+    let watcher = c.pg[2].connect().await?;
+    let waiting = "SELECT count(*)::text FROM pg_locks WHERE NOT granted \
+                   AND locktype = 'transactionid'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while one_value(&watcher, waiting).await? != "1" {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "A's transaction never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.resume("rk2", "rk3").await?;
+    // B's careful insert of key 100 waits behind A's.
+    while one_value(&watcher, waiting).await? != "2" {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "B's insert never waited behind A's"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    holder.batch_execute("COMMIT").await?;
+    c.resume("rk1", "rk2").await?;
+    c.resume("rk2", "rk1").await?;
+    c.wait_sync(90).await?;
+
+    // B's insert is the later one: it wins on every node.
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_T, &[&["1", "a"], &["2", "b"], &["100", "b"]]).await?;
+    }
+    let kinds = conflict_log(&c, 2).await?;
+    ensure!(
+        kinds
+            .iter()
+            .any(|(l, _)| l.ty == "insert_exists" && l.key.as_deref() == Some(r#"{"id": 100}"#)),
+        "C logged no insert_exists for key 100: {kinds:?}"
+    );
+    Ok(())
+}
+
+/// Two careful (resolver) transactions from different peers on one key at
+/// once. C holds no row 7 and an old tombstone for it (its own delete). A's
+/// later delete of row 7 reaches C in the careful path (nothing to delete:
+/// the tombstone is raised to A's version) and, before it commits, B's update
+/// of row 7 (older than A's delete) arrives in another session. Judged
+/// against the tombstone as committed before A's, the update would win and
+/// bring row 7 back on C only; judged after A's transaction (one careful
+/// transaction at a time per node), it loses, as on A and B.
+///
+/// A's transaction also updates row 1, which a session on C holds
+/// `FOR UPDATE`, to keep it open while B's arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_careful_transactions_on_one_key_are_judged_one_after_the_other() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["ck1", "ck2", "ck3"], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'seed'), (7, 'seed')").await?;
+    for (from, to) in [
+        ("ck1", "ck3"),
+        ("ck2", "ck3"),
+        ("ck1", "ck2"),
+        ("ck2", "ck1"),
+        ("ck3", "ck1"),
+        ("ck3", "ck2"),
+    ] {
+        c.pause(from, to).await?;
+    }
+    write(&c, 2, "DELETE FROM t WHERE id = 7").await?;
+    write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 7").await?;
+    write(
+        &c,
+        0,
+        "DELETE FROM t WHERE id = 7; UPDATE t SET v = 'a' WHERE id = 1",
+    )
+    .await?;
+
+    let holder = c.pg[2].connect().await?;
+    holder
+        .batch_execute("BEGIN; SELECT * FROM t WHERE id = 1 FOR UPDATE")
+        .await?;
+    c.resume("ck1", "ck3").await?;
+    let watcher = c.pg[2].connect().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let row_waits =
+        "SELECT count(*)::text FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'";
+    while one_value(&watcher, row_waits).await? != "1" {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "A's transaction never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.resume("ck2", "ck3").await?;
+    // Either B's transaction waits for A's (the rule), or it commits at
+    // once and row 7 is back (the divergence this test is about).
+    // The careful lock is advisory lock 30800818464715365 (classid, objid:
+    // its high and low 32 bits).
+    let settled = "SELECT (EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND locktype = 'advisory' \
+                   AND classid = 7171374 AND objid = 1667330661) \
+                   OR EXISTS (SELECT 1 FROM t WHERE id = 7))::text";
+    while one_value(&watcher, settled).await? != "true" {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "B's transaction neither waited nor committed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    holder.batch_execute("COMMIT").await?;
+    for (from, to) in [
+        ("ck1", "ck2"),
+        ("ck2", "ck1"),
+        ("ck3", "ck1"),
+        ("ck3", "ck2"),
+    ] {
+        c.resume(from, to).await?;
+    }
+    c.wait_sync(90).await?;
+
+    // A's delete is the newest change to row 7: gone everywhere.
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_T, &[&["1", "a"]]).await?;
+    }
+    Ok(())
+}

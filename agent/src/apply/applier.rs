@@ -464,6 +464,16 @@ impl Applier {
         self.routine_careful += 1;
     }
 
+    /// For a careful transaction judged again: its first try's routine
+    /// changes rolled back with it.
+    pub(super) fn routine_careful_count(&self) -> u64 {
+        self.routine_careful
+    }
+
+    pub(super) fn set_routine_careful_count(&mut self, n: u64) {
+        self.routine_careful = n;
+    }
+
     fn guard_params(&self, txn: &TxnMeta) -> [Param; 4] {
         [
             Param::oid(self.peer_roident),

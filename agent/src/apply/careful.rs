@@ -48,6 +48,16 @@ pub(super) struct Outcome {
     conflicts: Vec<(&'static str, Arc<str>)>,
 }
 
+/// How often a careful transaction is judged again after losing a race with
+/// another stream (see `apply_careful`) before the stream stops.
+const CONCURRENT_RETRIES: u32 = 8;
+
+/// A failure caused by another session writing at the same moment: a unique
+/// value taken after it was judged free, a deadlock, a serialization failure.
+fn is_concurrent_apply(f: &ApplyFailure) -> bool {
+    matches!(f.sqlstate.as_deref(), Some("23505" | "40P01" | "40001"))
+}
+
 fn fail(rel: &LocalRelation, msg: impl Into<String>) -> ApplyFailure {
     ApplyFailure::new(Some(&*rel.display), msg)
 }
@@ -58,7 +68,38 @@ fn params_ref(p: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
 
 impl Applier {
     /// Applies one transaction with conflict resolution and commits it.
+    ///
+    /// Streams from different peers apply concurrently, each in its own
+    /// session. Two of them may judge the same new key (or unique value)
+    /// free at once: the later insert then waits on the earlier one's index
+    /// entry and fails with 23505 when it commits, or the two deadlock
+    /// (40P01). Neither is a property of the change: the transaction is
+    /// rolled back and judged again, now seeing the other stream's row (a
+    /// conflict the resolver decides like any other). Stopping the stream
+    /// there would leave it stuck on a state that no longer exists.
     pub(super) async fn apply_careful(
+        &mut self,
+        meta: &TxnMeta,
+        body: &TxnBody,
+    ) -> Result<(), ApplyFailure> {
+        let mut attempt = 0u32;
+        loop {
+            let routine = self.routine_careful_count();
+            match self.apply_careful_once(meta, body).await {
+                Err(f) if attempt < CONCURRENT_RETRIES && is_concurrent_apply(&f) => {
+                    attempt += 1;
+                    self.set_routine_careful_count(routine);
+                    tracing::debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, attempt,
+                        sqlstate = ?f.sqlstate, error = %f.message,
+                        "another stream wrote the same row meanwhile: judging the transaction again");
+                    tokio::time::sleep(std::time::Duration::from_millis(5 << attempt.min(6))).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn apply_careful_once(
         &mut self,
         meta: &TxnMeta,
         body: &TxnBody,
@@ -66,6 +107,19 @@ impl Applier {
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
         let mut src = body.open()?;
         self.client.batch_execute("BEGIN").await.map_err(pg)?;
+        // Invariant (one careful transaction at a time per node): streams
+        // from different peers apply in parallel sessions, and a careful
+        // transaction decides from what it reads (target, tombstone, rows
+        // holding its unique values). Two of them on one key at once would
+        // each read the other's state from before it committed (a delete's
+        // tombstone not yet visible to a concurrent update of that key, which
+        // then brings the row back on this node only). Taken before the
+        // first read, held until COMMIT; fast-path transactions do not take
+        // it (their row statements wait on row locks instead).
+        self.client
+            .execute(sql::CAREFUL_LOCK, &[])
+            .await
+            .map_err(pg)?;
         let mut out = Outcome::default();
         let r = async {
             let mut fk_checks = Vec::new();
@@ -572,6 +626,12 @@ impl Applier {
             );
             let res = Self::classify_row(self.resolve(rel, &c).await?, &c);
             let plan = classify::plan(&facts, local, &res);
+            tracing::debug!(relation = %rel.display,
+                key = ?remote_new.as_ref().or(remote_old.as_ref()).and_then(|v| key_of(rel, v)),
+                op = ?facts.op,
+                target = ?facts.target, tombstone = ?facts.tombstone,
+                collisions = ?facts.collisions, judged_against = ?local,
+                resolution = plan.label, "conflict judged");
             if plan.next {
                 first_kind.get_or_insert(kind);
                 facts.target_beaten = true;

@@ -6,6 +6,11 @@
 
 use std::fmt::Write;
 
+/// The node-wide lock of careful (resolver) transactions, see
+/// `Applier::apply_careful_once`. The key is ASCII "mm.care" in one bigint,
+/// so it is unlikely to meet an application's own advisory locks.
+pub const CAREFUL_LOCK: &str = "SELECT pg_catalog.pg_advisory_xact_lock(30800818464715365)";
+
 /// Quotes an identifier the way PostgreSQL's `quote_ident` does when quoting is
 /// needed, but always quotes (cheaper than deciding, and equally correct).
 pub fn quote_ident(ident: &str) -> String {
