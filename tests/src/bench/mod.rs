@@ -27,6 +27,8 @@ use tokio_postgres::Client;
 use crate::agent::{AgentProcess, Secrets, mmctl};
 use crate::{PgNode, pg_bin_dir};
 
+pub mod backlog;
+
 /// Every table any workload uses; created empty on both nodes before
 /// replication starts (mm requires the tables on every node; the native
 /// subscriptions are created with `copy_data = false`).
@@ -48,7 +50,8 @@ CREATE TABLE t_hot (id bigint PRIMARY KEY, n bigint NOT NULL, src int NOT NULL, 
 ";
 
 const TABLES: &str = "bench_fence, t_insert, t_bulk, t_update, bench_branches, bench_tellers, \
-                      bench_accounts, bench_history, bench_heartbeat, t_disjoint, t_hot";
+                      bench_accounts, bench_history, bench_heartbeat, t_disjoint, t_hot, \
+                      bl_ins1, bl_upd1, bl_del1, bl_ins1000, bl_one, bl_streamed";
 
 /// How long a system may take to deliver a workload before the run fails.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -169,7 +172,7 @@ impl System {
         &self.agents
     }
 
-    async fn mmctl(&self, args: &[&str]) -> Result<String> {
+    pub(crate) async fn mmctl(&self, args: &[&str]) -> Result<String> {
         let (Some(secrets), Some(agent)) = (&self.secrets, self.agents.first()) else {
             bail!("mmctl needs an mm system");
         };
@@ -255,7 +258,12 @@ impl System {
     /// After the workload ended on node 0: fence, wait for it on node 1,
     /// then check that `check_sql` there returns `want`. Returns the time
     /// from `start` at which node 1 had everything.
-    async fn delivered(&self, start: Instant, check_sql: &str, want: &str) -> Result<Duration> {
+    pub(crate) async fn delivered(
+        &self,
+        start: Instant,
+        check_sql: &str,
+        want: &str,
+    ) -> Result<Duration> {
         let fence = self.write_fence(0).await?;
         self.wait_fence(1, fence, CATCH_UP_TIMEOUT).await?;
         let mut done = start.elapsed();
@@ -303,7 +311,7 @@ async fn start_nodes(names: &[&str; 2]) -> Result<Vec<PgNode>> {
     let mut nodes = Vec::new();
     for n in names {
         let node = PgNode::start(n)?;
-        node.execute(SCHEMA)
+        node.execute(&format!("{SCHEMA}{}", backlog::SCHEMA))
             .await
             .with_context(|| format!("schema on {n}"))?;
         nodes.push(node);
@@ -344,7 +352,7 @@ pub struct Driver {
 
 /// `clients` connections to `node`, each with `sql` prepared, opened before
 /// any timing starts.
-async fn open_clients(
+pub(crate) async fn open_clients(
     node: &PgNode,
     clients: usize,
     sync_commit: bool,
@@ -367,7 +375,10 @@ async fn open_clients(
 /// Runs the prepared one-parameter statement once per id in 1..=total, each
 /// in its own (autocommit) transaction, spread round-robin over the clients,
 /// all concurrently: the same driver for both systems.
-async fn drive(clients: Vec<(Client, tokio_postgres::Statement)>, total: u64) -> Result<()> {
+pub(crate) async fn drive(
+    clients: Vec<(Client, tokio_postgres::Statement)>,
+    total: u64,
+) -> Result<()> {
     let n = clients.len() as i64;
     let total = i64::try_from(total).context("row count too large")?;
     let mut set = JoinSet::new();

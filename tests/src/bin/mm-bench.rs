@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use mm_tests::bench::backlog::{self, Backlog, BacklogConfig, Shape};
 use mm_tests::bench::{
     self, ConflictConfig, ConflictResult, KeySet, Kind, Measured, System, TpcbConfig, TpcbResult,
     percentile,
@@ -25,7 +26,10 @@ mm-bench: mm vs PostgreSQL native logical replication (2 nodes each)
 Workloads: 1 single-row INSERT txns, 2 one big INSERT txn, 3 single-row UPDATE txns
 (all on node A), 4 TPC-B-like on both nodes with lag, 5 conflicts: single-row UPDATE
 txns on both nodes at once, on disjoint keys (baseline) and on a hot key set
-(conflict rate, divergence). `mm-bench conflicts` = `--only 5`.
+(conflict rate, divergence), 6 backlog catch-up (apply capacity): the stream into B
+is stopped (native: DISABLE the subscription, mm: mmctl pause), the backlog is
+committed on A, the stream started again and timed until B has everything, for each
+shape. `mm-bench conflicts` = `--only 5`, `mm-bench backlog` = `--only 6`.
 
   --quick              small smoke run (~1 minute): 10k rows, 5 s TPC-B, 1000 conflict txns
   --rows N             rows / transactions of workloads 1-3 (default 200000)
@@ -50,6 +54,13 @@ txns on both nodes at once, on disjoint keys (baseline) and on a hot key set
   --hot-keys N         keys both nodes update in the hot run (default 100)
   --conflict-heartbeat-ms MS  heartbeat period on each node in workload 5 (default 20: the
                        runs last seconds, so lag needs more heartbeats than TPC-B's)
+  --backlog-shapes LIST  shapes of workload 6 (default all): ins1, upd1, del1 (single-row
+                       txns), ins1000 (1000-row txns), one (one txn), streamed (one txn
+                       larger than logical_decoding_work_mem, streamed before commit)
+  --backlog-rows N     transactions of the single-row shapes (default 50000)
+  --backlog-batch-rows N  rows of the 1000-row-txn shape (default 200000)
+  --backlog-one-rows N rows of the one-txn shape (default 200000)
+  --backlog-streamed-rows N  rows of the streamed shape (default 1000000)
 
 Every flag has an environment default MM_BENCH_<FLAG> (MM_BENCH_ROWS, MM_BENCH_QUICK=1, ...).
 Agent binaries: MM_AGENT_BIN / MMCTL_BIN, else next to this executable.
@@ -75,6 +86,8 @@ struct Args {
     conflict_keys: u64,
     hot_keys: u64,
     conflict_heartbeat_ms: u64,
+    backlog_shapes: Vec<Shape>,
+    backlog: BacklogConfig,
     quick: bool,
 }
 
@@ -97,14 +110,20 @@ const FLAGS: &[&str] = &[
     "conflict-keys",
     "hot-keys",
     "conflict-heartbeat-ms",
+    "backlog-shapes",
+    "backlog-rows",
+    "backlog-batch-rows",
+    "backlog-one-rows",
+    "backlog-streamed-rows",
 ];
 
 /// Workload numbers by name, for `--only` and bare arguments.
 fn workload_number(s: &str) -> Option<u8> {
     match s {
         "conflicts" => Some(5),
+        "backlog" => Some(6),
         _ => match s.parse::<u8>() {
-            Ok(n @ 1..=5) => Some(n),
+            Ok(n @ 1..=6) => Some(n),
             _ => None,
         },
     }
@@ -135,7 +154,7 @@ fn parse_args() -> Result<Option<Args>> {
             a => {
                 let Some(name) = a.strip_prefix("--") else {
                     // A bare workload name: `mm-bench conflicts`.
-                    if a == "conflicts" {
+                    if a == "conflicts" || a == "backlog" {
                         given.push(("only".to_owned(), a.to_owned()));
                         continue;
                     }
@@ -161,7 +180,7 @@ fn parse_args() -> Result<Option<Args>> {
         rows: if quick { 10_000 } else { 200_000 },
         clients: 4,
         sync_commit: false,
-        only: vec![1, 2, 3, 4, 5],
+        only: vec![1, 2, 3, 4, 5, 6],
         systems: vec![Kind::Native, Kind::Mm],
         tpcb_seconds: if quick { 5 } else { 25 },
         tpcb_rates: vec![100, 300],
@@ -176,6 +195,22 @@ fn parse_args() -> Result<Option<Args>> {
         conflict_keys: 1000,
         hot_keys: 100,
         conflict_heartbeat_ms: 20,
+        backlog_shapes: Shape::ALL.to_vec(),
+        backlog: if quick {
+            BacklogConfig {
+                rows: 5_000,
+                batch_rows: 20_000,
+                one_txn_rows: 20_000,
+                streamed_rows: 300_000,
+            }
+        } else {
+            BacklogConfig {
+                rows: 50_000,
+                batch_rows: 200_000,
+                one_txn_rows: 200_000,
+                streamed_rows: 1_000_000,
+            }
+        },
         quick,
     };
     for (name, v) in given {
@@ -213,6 +248,21 @@ fn parse_args() -> Result<Option<Args>> {
             "conflict-keys" => a.conflict_keys = num()?.max(1),
             "hot-keys" => a.hot_keys = num()?.max(1),
             "conflict-heartbeat-ms" => a.conflict_heartbeat_ms = num()?.max(1),
+            "backlog-rows" => a.backlog.rows = num()?.max(1),
+            "backlog-batch-rows" => a.backlog.batch_rows = num()?.max(1),
+            "backlog-one-rows" => a.backlog.one_txn_rows = num()?.max(1),
+            "backlog-streamed-rows" => a.backlog.streamed_rows = num()?.max(1),
+            "backlog-shapes" => {
+                a.backlog_shapes = v
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| {
+                        Shape::parse(s.trim()).with_context(|| {
+                            format!("--backlog-shapes: {s:?} is not one of ins1, upd1, del1, ins1000, one, streamed")
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+            }
             "sync-commit" => {
                 a.sync_commit = match v.as_str() {
                     "on" => true,
@@ -237,7 +287,9 @@ fn parse_args() -> Result<Option<Args>> {
                     .filter(|s| !s.trim().is_empty())
                     .map(|s| match workload_number(s.trim()) {
                         Some(n) => Ok(n),
-                        None => bail!("--only: {s:?} is not a workload number 1-5 or conflicts"),
+                        None => bail!(
+                            "--only: {s:?} is not a workload number 1-6, conflicts or backlog"
+                        ),
                     })
                     .collect::<Result<_>>()?;
             }
@@ -507,6 +559,73 @@ fn markdown(
     s
 }
 
+fn print_backlog(label: &str, b: &Backlog) {
+    println!(
+        "  {label:>6}: {} rows in {} txns committed in {:.2} s; caught up in {:.2} s = {:.0} rows/s \
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
+        b.rows,
+        b.txns,
+        b.load.as_secs_f64(),
+        b.catch_up.as_secs_f64(),
+        b.rows_per_sec(),
+        b.res.agent_cpu,
+        b.res.apply_cpu,
+        b.res.walsender_cpu,
+        b.res.agent_peak_rss as f64 / 1e6
+    );
+}
+
+/// Native and mm side by side per shape; mm/native is the ratio of catch-up
+/// rates (>= 1: mm applies at least as fast).
+fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
+    let mut s = String::from(
+        "Backlog catch-up (stream stopped, backlog committed on A, stream started; time until B has everything):\n\n\
+         | shape | rows | txns | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for shape in Shape::ALL {
+        let find = |l: &str| {
+            runs.iter()
+                .find(|(k, b)| k == l && b.shape == shape)
+                .map(|(_, b)| *b)
+        };
+        let (n, m) = (find("native"), find("mm"));
+        let Some(any) = n.or(m) else { continue };
+        let cell = |b: Option<Backlog>| {
+            b.map_or(("-".to_owned(), "-".to_owned()), |b| {
+                (
+                    format!("{:.2}", b.catch_up.as_secs_f64()),
+                    format!("{:.0}", b.rows_per_sec()),
+                )
+            })
+        };
+        let ((ns, nr), (ms, mr)) = (cell(n), cell(m));
+        let ratio = match (n, m) {
+            (Some(n), Some(m)) => format!("{:.2}", m.rows_per_sec() / n.rows_per_sec()),
+            _ => "-".to_owned(),
+        };
+        let ncpu = n.map_or("-".to_owned(), |b| {
+            format!("{:.1}+{:.1}", b.res.apply_cpu, b.res.walsender_cpu)
+        });
+        let mcpu = m.map_or("-".to_owned(), |b| {
+            format!(
+                "{:.1}+{:.1}+{:.1}",
+                b.res.agent_cpu, b.res.apply_cpu, b.res.walsender_cpu
+            )
+        });
+        let rss = m.map_or("-".to_owned(), |b| {
+            format!("{:.0}", b.res.agent_peak_rss as f64 / 1e6)
+        });
+        s.push_str(&format!(
+            "| {} | {} | {} | {ns} | {nr} | {ms} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
+            shape.label(),
+            any.rows,
+            any.txns
+        ));
+    }
+    s
+}
+
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -574,7 +693,19 @@ async fn run(args: Args) -> Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     let mut tpcb: Vec<(String, u64, TpcbResult)> = Vec::new();
     let mut conflicts: Vec<(String, ConflictResult)> = Vec::new();
+    let mut backlogs: Vec<(String, Backlog)> = Vec::new();
     for w in args.only.clone() {
+        if w == 6 {
+            for &shape in &args.backlog_shapes {
+                println!("6. backlog catch-up: {}", shape.label());
+                for sys in &systems {
+                    let r = backlog::run(sys, shape, &args.backlog).await?;
+                    print_backlog(sys.label(), &r);
+                    backlogs.push((sys.label().to_owned(), r));
+                }
+            }
+            continue;
+        }
         if w == 5 {
             let cfg = ConflictConfig {
                 clients: args.conflict_clients,
@@ -650,6 +781,9 @@ async fn run(args: Args) -> Result<()> {
         rows.push(row);
     }
     println!("\n{}", markdown(&args, &rows, &tpcb, &conflicts));
+    if !backlogs.is_empty() {
+        println!("{}", backlog_markdown(&backlogs));
+    }
     println!("load at end {}", loadavg());
     // Agents before servers (System's field order), mm before native.
     while let Some(sys) = systems.pop() {
