@@ -48,7 +48,11 @@ const EMIT_MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// Re-announced even when unchanged, so restarted streams learn it.
 const REFRESH_EVERY: Duration = Duration::from_secs(2);
 const PURGE_EVERY: Duration = Duration::from_secs(5);
-const PURGE_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
+const PURGE_MARGIN: chrono::Duration = ORDER_MARGIN;
+/// How far one origin's commit timestamps may run out of its WAL order
+/// (concurrent commits): every "applied everything from X up to t" test
+/// asks for t plus this.
+pub const ORDER_MARGIN: chrono::Duration = chrono::Duration::seconds(1);
 /// A commit timestamp is taken just before the commit's WAL record is
 /// written: a commit stamped this long before an announcement's `at` is in
 /// the WAL before it.

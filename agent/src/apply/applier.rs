@@ -1066,14 +1066,22 @@ impl Applier {
     /// committed before `ts`, that this node has not applied? With two
     /// nodes never; otherwise unless everything from every third origin up
     /// to `ts` is applied here. Clock skew aside, like last-writer-wins.
+    ///
+    /// "Everything up to `ts`" needs a margin: an origin's commit
+    /// timestamps are taken before its commit records are ordered in its
+    /// WAL, so concurrent commits reach us slightly out of timestamp order
+    /// (the same reason the tombstone purge keeps one, `watermark.rs`).
+    /// Having applied a commit stamped `ts` from X does not mean X's commit
+    /// stamped `ts - 1 ms` is here yet.
     pub(super) fn base_may_be_stale(&self, ts: DateTime<Utc>) -> bool {
         let here = self.ctx.applied.applied_snapshot();
+        let need = ts + crate::watermark::ORDER_MARGIN;
         self.wm
             .map
             .keys()
             .chain(here.keys())
             .filter(|o| **o != self.ctx.peer && **o != self.ctx.local_node)
-            .any(|o| here.get(o).is_none_or(|a| *a < ts))
+            .any(|o| here.get(o).is_none_or(|a| *a < need))
     }
 
     fn in_foreign_key(&self, m: &Message) -> bool {

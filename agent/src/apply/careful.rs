@@ -1248,6 +1248,10 @@ impl Applier {
                 .as_ref()
                 .filter(|t| self.no_conflict(t, rts) && !self.base_may_be_stale(rts))
                 .and_then(|t| t.ctid.clone());
+            tracing::debug!(relation = %rel.display, old_key = ?old_key,
+                target = ?target.as_ref().map(|t| self.seen(t, rts)),
+                stale = self.base_may_be_stale(rts), from_local = local.is_some(),
+                "a moved row's unchanged TOAST values");
             new = match local {
                 Some(at) => Some(self.complete_from_local(rel, &upd.new, &at).await?),
                 None => match self.fetch_unchanged(oid, &upd.new, rts).await? {

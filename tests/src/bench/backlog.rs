@@ -8,7 +8,7 @@
 //! for that backlog, decoding included. The same shapes run on both systems,
 //! minutes apart, in one run.
 //!
-//! Resources are sampled from /proc meanwhile: the agent process (mm), the
+//! Resources are sampled from /proc meanwhile (every 50 ms): the agent process (mm), the
 //! subscriber's apply backends (mm: the agent's sessions; native: the apply
 //! worker and its parallel workers) and the publisher's walsender.
 
@@ -278,7 +278,7 @@ fn native_sub(sys: &System) -> String {
     format!("s_from_{}", sys.a().name().replace('-', "_"))
 }
 
-/// Samples CPU time and RSS of the processes of one catch-up every 100 ms.
+/// Samples CPU time and RSS of the processes of one catch-up every 50 ms.
 struct Sampler {
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<Result<Resources>>,
@@ -298,7 +298,7 @@ fn apply_pids_sql(kind: Kind, sub: &str) -> String {
 }
 
 /// The processes that count (agent, apply backends, walsenders), found again
-/// every few rounds: parallel apply workers and walsenders come and go.
+/// every round: parallel apply workers and walsenders come and go.
 async fn pids(sys: &System) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
     let agent: Vec<u32> = match sys.kind {
         Kind::Native => Vec::new(),
@@ -329,15 +329,24 @@ fn pid_list(rows: Vec<Vec<Option<String>>>) -> Vec<u32> {
         .collect()
 }
 
-/// utime + stime of a process, seconds (clock ticks of 100 Hz, Linux's
-/// USER_HZ).
-fn cpu_seconds(pid: u32) -> Option<f64> {
+/// (utime + stime, start time) of a process, both in seconds since boot
+/// (clock ticks of 100 Hz, Linux's USER_HZ).
+fn cpu_and_start(pid: u32) -> Option<(f64, f64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command may contain spaces: fields count from after its ')'.
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
+    let start: u64 = f.get(19)?.parse().ok()?;
+    Some((ticks as f64 / 100.0, start as f64 / 100.0))
+}
+
+/// Seconds since boot, as /proc/<pid>/stat's start times count.
+fn uptime() -> f64 {
+    std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 fn rss_bytes(pid: u32) -> Option<u64> {
@@ -346,29 +355,41 @@ fn rss_bytes(pid: u32) -> Option<u64> {
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
-/// CPU used by a changing set of processes: for each pid, its last reading
-/// minus its first (a process seen only once counts from then).
-#[derive(Default)]
+/// CPU used by a changing set of processes during the sampled window: for
+/// each pid its last reading minus its first, or all of it when the process
+/// started inside the window (native's apply worker starts at ENABLE).
 struct CpuSum {
+    since: f64,
     first: HashMap<u32, f64>,
     last: HashMap<u32, f64>,
 }
 
 impl CpuSum {
+    fn new(since: f64) -> Self {
+        CpuSum {
+            since,
+            first: HashMap::new(),
+            last: HashMap::new(),
+        }
+    }
+
     fn observe(&mut self, pids: &[u32]) {
         for &p in pids {
-            if let Some(c) = cpu_seconds(p) {
-                self.first.entry(p).or_insert(c);
+            if let Some((c, started)) = cpu_and_start(p) {
+                let base = if started >= self.since { 0.0 } else { c };
+                self.first.entry(p).or_insert(base);
                 self.last.insert(p, c);
             }
         }
     }
 
     fn total(&self) -> f64 {
-        self.last
+        let sum: f64 = self
+            .last
             .iter()
             .map(|(p, l)| l - self.first.get(p).copied().unwrap_or(*l))
-            .sum()
+            .sum();
+        sum.max(0.0)
     }
 }
 
@@ -383,11 +404,11 @@ impl Sampler {
         let sub = native_sub(sys);
         let flag = Arc::clone(&stop);
         let task = tokio::spawn(async move {
+            let since = uptime();
             let (mut ag, mut ap, mut ws) =
-                (CpuSum::default(), CpuSum::default(), CpuSum::default());
+                (CpuSum::new(since), CpuSum::new(since), CpuSum::new(since));
             let (mut apply, mut wal) = (apply, wal);
             let mut peak = 0u64;
-            let mut round = 0u32;
             loop {
                 ag.observe(&agent);
                 ap.observe(&apply);
@@ -398,16 +419,14 @@ impl Sampler {
                 if flag.load(Ordering::Relaxed) {
                     break;
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                round += 1;
-                if round.is_multiple_of(5) {
-                    apply = simple_pids(&b, &apply_pids_sql(kind, &sub))
-                        .await
-                        .unwrap_or(apply);
-                    wal = simple_pids(&a, "SELECT pid::text FROM pg_stat_replication")
-                        .await
-                        .unwrap_or(wal);
-                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Every round: a catch-up may last less than 100 ms.
+                apply = simple_pids(&b, &apply_pids_sql(kind, &sub))
+                    .await
+                    .unwrap_or(apply);
+                wal = simple_pids(&a, "SELECT pid::text FROM pg_stat_replication")
+                    .await
+                    .unwrap_or(wal);
             }
             Ok(Resources {
                 agent_cpu: ag.total(),
