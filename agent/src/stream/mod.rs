@@ -259,7 +259,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     });
 
     // The ordinary (non-streamed) transaction being received.
-    let mut current: Option<(Begin, Vec<Message>)> = None;
+    let mut current: Option<OpenTxn> = None;
     let mut stream_xid: Option<u32> = None;
     let mut ticker = tokio::time::interval(FEEDBACK_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -345,19 +345,32 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         if current.is_some() {
                             return Err(proto_err("BEGIN inside an open transaction".into()));
                         }
-                        current = Some((b, Vec::new()));
+                        current = Some(OpenTxn::new(b));
                     }
                     Message::Commit(c) => {
-                        let Some((begin, msgs)) = current.take() else {
+                        let Some(open) = current.take() else {
                             return Err(proto_err("COMMIT without BEGIN".into()));
                         };
                         let meta = TxnMeta {
-                            xid: begin.xid,
+                            xid: open.begin.xid,
                             commit_lsn: c.commit_lsn,
                             end_lsn: c.end_lsn,
                             commit_ts: c.commit_timestamp,
                         };
-                        let body: TxnBody = Arc::new(InMemory(Arc::new(msgs)));
+                        let body: TxnBody = if open.spilled {
+                            let spooled = spool.take(open.begin.xid).map_err(|source| {
+                                StreamError::Spool {
+                                    peer: pname.clone(),
+                                    source,
+                                }
+                            })?;
+                            match spooled {
+                                Some(t) => Arc::new(t),
+                                None => Arc::new(InMemory(Arc::new(Vec::new()))),
+                            }
+                        } else {
+                            Arc::new(InMemory(Arc::new(open.msgs)))
+                        };
                         apply_one(&mut applier, &pname, &meta, body).await?;
                         progress.last_queued = meta.end_lsn;
                         finished(&mut applier, local, &pname, &mut progress);
@@ -454,7 +467,12 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                     | Message::Truncate(_)
                     | Message::Message(_)
                     | Message::Origin(_)) => match current.as_mut() {
-                        Some((_, msgs)) => msgs.push(other),
+                        Some(open) => open.push(other, raw, &mut spool).map_err(|source| {
+                            StreamError::Spool {
+                                peer: pname.clone(),
+                                source,
+                            }
+                        })?,
                         None => {
                             return Err(proto_err(format!(
                                 "{} outside a transaction",
@@ -471,6 +489,54 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 }
             }
         }
+    }
+}
+
+/// A transaction sent whole (after its commit on the publisher) is kept
+/// in memory up to this many bytes of messages, then in the spool: it must
+/// stay available until it commits here (see `spool.rs`), and decoded
+/// messages take many times their wire size.
+const SPILL_AT: usize = 1 << 20;
+
+/// The ordinary (non-streamed) transaction being received.
+struct OpenTxn {
+    begin: Begin,
+    msgs: Vec<Message>,
+    /// The wire bytes of `msgs` (shared with them), written to the spool
+    /// when the transaction outgrows `SPILL_AT`.
+    raws: Vec<Bytes>,
+    bytes: usize,
+    /// Its messages are in the spool under its xid, not in `msgs`.
+    spilled: bool,
+}
+
+impl OpenTxn {
+    fn new(begin: Begin) -> Self {
+        OpenTxn {
+            begin,
+            msgs: Vec::new(),
+            raws: Vec::new(),
+            bytes: 0,
+            spilled: false,
+        }
+    }
+
+    fn push(&mut self, m: Message, raw: Bytes, spool: &mut Spool) -> std::io::Result<()> {
+        let xid = self.begin.xid;
+        if self.spilled {
+            return spool.append_committed(xid, &raw);
+        }
+        self.bytes += raw.len();
+        self.msgs.push(m);
+        self.raws.push(raw);
+        if self.bytes > SPILL_AT {
+            for r in self.raws.drain(..) {
+                spool.append_committed(xid, &r)?;
+            }
+            self.msgs = Vec::new();
+            self.spilled = true;
+        }
+        Ok(())
     }
 }
 

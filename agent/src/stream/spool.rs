@@ -10,6 +10,12 @@
 //! back to where that subtransaction began (a subtransaction always ends before
 //! its parent writes again, so its changes form one contiguous tail).
 //!
+//! Transactions sent whole after their commit (not streamed) use it too once
+//! they outgrow `stream::SPILL_AT`: their messages are applied at COMMIT and
+//! kept until they commit here, for a second, careful pass after a conflict,
+//! so without the spool a big one was held in memory whole (1M rows: ~1.7 GB
+//! of decoded messages). Their messages carry no xid (`streamed: false`).
+//!
 //! Spool files never survive a restart: the slot still holds every transaction
 //! whose commit we have not confirmed, and the publisher re-sends it whole.
 
@@ -29,6 +35,9 @@ struct SpoolFile {
     len: u64,
     /// (subtransaction xid, file offset of its first change), in start order.
     subxacts: Vec<(u32, u64)>,
+    /// Messages of a streamed transaction (each carries its xid), or of one
+    /// sent whole after commit (none does).
+    streamed: bool,
 }
 
 pub struct Spool {
@@ -52,6 +61,15 @@ impl Spool {
     /// Appends one raw pgoutput message of top-level transaction `xid`; `subxid`
     /// is the xid the message carries (a subtransaction's or `xid` itself).
     pub fn append(&mut self, xid: u32, subxid: u32, raw: &[u8]) -> io::Result<()> {
+        self.append_as(xid, subxid, raw, true)
+    }
+
+    /// Appends one raw message of a transaction sent whole after its commit.
+    pub fn append_committed(&mut self, xid: u32, raw: &[u8]) -> io::Result<()> {
+        self.append_as(xid, xid, raw, false)
+    }
+
+    fn append_as(&mut self, xid: u32, subxid: u32, raw: &[u8], streamed: bool) -> io::Result<()> {
         let f = match self.open.get_mut(&xid) {
             Some(f) => f,
             None => {
@@ -67,6 +85,7 @@ impl Spool {
                     writer: BufWriter::with_capacity(1 << 20, file),
                     len: 0,
                     subxacts: Vec::new(),
+                    streamed,
                 })
             }
         };
@@ -115,11 +134,19 @@ impl Spool {
             return Ok(None);
         };
         let SpoolFile {
-            path, writer, len, ..
+            path,
+            writer,
+            len,
+            streamed,
+            ..
         } = f;
         let file = writer.into_inner().map_err(|e| e.into_error())?;
         drop(file);
-        Ok(Some(SpooledTxn { path, len }))
+        Ok(Some(SpooledTxn {
+            path,
+            len,
+            streamed,
+        }))
     }
 }
 
@@ -131,6 +158,7 @@ impl Spool {
 pub struct SpooledTxn {
     path: PathBuf,
     len: u64,
+    streamed: bool,
 }
 
 impl SpooledTxn {
@@ -140,7 +168,7 @@ impl SpooledTxn {
             reader: BufReader::with_capacity(1 << 20, file.take(self.len)),
             ctx: DecodeContext {
                 protocol_version: 4,
-                in_stream_block: true,
+                in_stream_block: self.streamed,
                 parallel_streaming: false,
             },
         })
