@@ -15,6 +15,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
     (4, include_str!("sql/0004_compensations.sql")),
     (5, include_str!("sql/0005_sequence_ranges.sql")),
     (6, include_str!("sql/0006_sync.sql")),
+    (7, include_str!("sql/0007_progress_guard.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

@@ -267,10 +267,7 @@ impl Applier {
         // One statement records progress (only if the previous transaction's
         // is in place: see pipeline.rs) and gives the commit the remote commit
         // timestamp through the origin (schema.rs).
-        let advance = client
-            .prepare("SELECT mm.advance_progress($1, $2, $3, $4)")
-            .await
-            .map_err(pg)?;
+        let advance = client.prepare(&sql::advance_progress()).await.map_err(pg)?;
         let wal_positions = client
             .prepare(
                 "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text, \
@@ -354,7 +351,7 @@ impl Applier {
     }
 
     /// The stream's counters as stored: applied transactions (counted by
-    /// `mm.advance_progress` in each one) and conflicts by type (the
+    /// the progress guard in each one) and conflicts by type (the
     /// conflict log's rows from this peer), so status survives restarts.
     pub async fn stored_counters(&self) -> Result<(u64, BTreeMap<String, u64>), ApplyFailure> {
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
@@ -788,7 +785,7 @@ impl Applier {
         }
     }
 
-    /// `mm.advance_progress` parameters: this transaction's end on top of
+    /// Progress guard parameters: this transaction's end on top of
     /// the previous one's.
     pub(super) fn progress_params(&self, meta: &TxnMeta) -> [Param; sql::PROGRESS_PARAMS] {
         [

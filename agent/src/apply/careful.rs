@@ -182,7 +182,7 @@ impl Applier {
             }
             self.client
                 .execute(
-                    "SELECT mm.advance_progress($1, $2::pg_lsn, $3::pg_lsn, $4::timestamptz)",
+                    &sql::advance_progress(),
                     &params_ref(&self.progress_params(meta)),
                 )
                 .await

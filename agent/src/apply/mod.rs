@@ -85,6 +85,18 @@ impl ApplyFailure {
     pub fn from_pg(relation: Option<&str>, e: &tokio_postgres::Error) -> Self {
         match e.as_db_error() {
             // The fast path's "changed no row" signal (schema.rs, mm.one_row).
+            // The progress guard inlined in the statement (sql::progress_cte):
+            // the transaction before this one did not commit.
+            Some(db) if db.constraint() == Some("mm_progress") => ApplyFailure {
+                relation: relation.map(str::to_owned),
+                sqlstate: Some("MM003".to_owned()),
+                message: "mm: apply progress is not at the end of the previous transaction \
+                          (it did not commit)"
+                    .to_owned(),
+                txn: None,
+                conflict: false,
+                signal: None,
+            },
             Some(db) if db.constraint() == Some("mm_conflict") => ApplyFailure {
                 relation: relation.map(str::to_owned),
                 sqlstate: Some("MM001".to_owned()),

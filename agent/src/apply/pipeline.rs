@@ -9,7 +9,7 @@
 //! Invariant (commit order, nothing skipped): transactions are still applied
 //! one after another on one session, in the publisher's commit order. If one
 //! fails, the ones queued behind it must not commit: each transaction's
-//! progress update (`mm.advance_progress`) only succeeds when the stored
+//! progress guard (`sql::advance_progress`) only succeeds when the stored
 //! progress is exactly the previous transaction's end, so a transaction whose
 //! predecessor rolled back fails too, and the first failure is reported.
 

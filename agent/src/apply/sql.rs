@@ -232,21 +232,40 @@ pub enum Commit {
     /// Inside an explicit transaction; COMMIT is a separate statement.
     Later,
     /// The transaction's only change: the statement also records progress
-    /// (`mm.advance_progress`, params from `first`) and runs as its own
+    /// (the progress guard, params from `first`) and runs as its own
     /// implicit transaction: one statement and one protocol round instead of
     /// BEGIN, change, progress, COMMIT. Single-row transactions are the
     /// common OLTP case and the apply backend is the bottleneck there.
     Fused { first: usize },
 }
 
-fn progress_call(first: usize) -> String {
+/// The progress guard as a CTE named `mm_p`, params `$first..$first+3`:
+/// origin, the previous transaction's end, this one's end, its commit
+/// timestamp. Inlined rather than `mm.advance_progress()`: no function
+/// call per transaction (plpgsql or SQL, either costs the apply backend a
+/// executor setup per call; see `mm.advance_progress` for the rule).
+fn progress_cte(first: usize) -> String {
+    let (o, prev, new, ts) = (first, first + 1, first + 2, first + 3);
     format!(
-        "mm.advance_progress(${}, ${}, ${}, ${})",
-        first,
-        first + 1,
-        first + 2,
+        "mm_p AS (UPDATE mm.apply_progress SET remote_lsn = ${new}::pg_lsn, \
+         remote_commit_ts = ${ts}::timestamptz, applied_txns = applied_txns + 1 \
+         WHERE origin = ${o}::text AND remote_lsn = ${prev}::pg_lsn RETURNING 1)"
+    )
+}
+
+/// The guard's check (`mm.progress_one`: exactly one progress row moved,
+/// else `mm_progress`, read as MM003) and the commit's origin timestamp.
+fn progress_cols(first: usize) -> String {
+    format!(
+        "(SELECT count(*) FROM mm_p)::mm.progress_one, \
+         pg_catalog.pg_replication_origin_xact_setup('0/0', ${}::timestamptz)",
         first + 3
     )
+}
+
+/// A transaction's progress record on its own (params `$1..$4`).
+pub fn advance_progress() -> String {
+    format!("WITH {} SELECT {}", progress_cte(1), progress_cols(1))
 }
 
 /// The final SELECT of a CTE-wrapped row statement: fails (`mm.one_row`)
@@ -255,8 +274,9 @@ fn checked_select(cte: &str, commit: Commit) -> String {
     match commit {
         Commit::Later => format!(" SELECT count(*)::mm.one_row FROM {cte}"),
         Commit::Fused { first } => format!(
-            " SELECT (SELECT count(*) FROM {cte})::mm.one_row, {}",
-            progress_call(first)
+            ", {} SELECT (SELECT count(*) FROM {cte})::mm.one_row, {}",
+            progress_cte(first),
+            progress_cols(first)
         ),
     }
 }
@@ -306,7 +326,11 @@ pub fn fast_delete(
 /// A fast-path INSERT (`fast_insert`) that is its transaction's only change,
 /// fused with the progress call (see `Commit::Fused`).
 pub fn fused_insert(insert: &str, first: usize) -> String {
-    format!("WITH i AS ({insert}) SELECT {}", progress_call(first))
+    format!(
+        "WITH i AS ({insert}), {} SELECT {}",
+        progress_cte(first),
+        progress_cols(first)
+    )
 }
 
 /// Upserts the tombstone of one key (params `$1..` typed by `types`).
@@ -486,8 +510,8 @@ mod tests {
         // fails unless it changed exactly one row.
         assert_eq!(
             fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7 }),
-            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) \
-             SELECT (SELECT count(*) FROM u)::mm.one_row, mm.advance_progress($7, $8, $9, $10)"
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text AND remote_lsn = $8::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM u)::mm.one_row, (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
         );
         assert_eq!(
             fast_delete(
@@ -499,12 +523,13 @@ mod tests {
                 Commit::Fused { first: 6 }
             ),
             "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 LIMIT 1 FOR UPDATE) \
-             AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) \
-             SELECT (SELECT count(*) FROM d)::mm.one_row, mm.advance_progress($6, $7, $8, $9)"
+             AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $8::pg_lsn, remote_commit_ts = $9::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $6::text AND remote_lsn = $7::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM d)::mm.one_row, (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $9::timestamptz)"
         );
         assert_eq!(
             fused_insert(&insert(&t, &["a"]), 2),
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1)) SELECT mm.advance_progress($2, $3, $4, $5)"
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1)), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $4::pg_lsn, remote_commit_ts = $5::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $2::text AND remote_lsn = $3::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $5::timestamptz)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(

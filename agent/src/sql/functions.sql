@@ -1,25 +1,11 @@
 -- Functions and triggers of schema mm. Not a migration: CREATE OR REPLACE,
 -- run at every agent start, so a new agent version brings its own.
 
--- Records an applied transaction's progress, only on top of the previous
--- one's (so a transaction pipelined behind a failed one fails too), counts
--- it, and gives the commit the remote commit timestamp through the session's
--- replication origin. The origin's own LSN stays invalid: PostgreSQL would
--- advance it even on abort.
-CREATE OR REPLACE FUNCTION mm.advance_progress(
-    p_origin text, p_prev pg_lsn, p_new pg_lsn, p_ts timestamptz)
-RETURNS void LANGUAGE plpgsql AS $fn$
-BEGIN
-  PERFORM pg_catalog.pg_replication_origin_xact_setup('0/0', p_ts);
-  UPDATE mm.apply_progress SET remote_lsn = p_new, remote_commit_ts = p_ts, applied_txns = applied_txns + 1
-   WHERE origin = p_origin AND remote_lsn = p_prev;
-  IF NOT FOUND THEN
-    RAISE EXCEPTION USING ERRCODE = 'MM003',
-      MESSAGE = format('mm: apply progress of %s is at %s, not at %s (the transaction before this one did not commit)',
-                       p_origin, (SELECT remote_lsn FROM mm.apply_progress WHERE origin = p_origin), p_prev);
-  END IF;
-END
-$fn$;
+-- Transaction progress is recorded by the guard the agent inlines into its
+-- apply statements (apply/sql.rs, progress_cte, and the domain
+-- mm.progress_one); the plpgsql function that did it cost an executor and
+-- SPI setup per applied transaction. Dropped where an older agent left it.
+DROP FUNCTION IF EXISTS mm.advance_progress(text, pg_lsn, pg_lsn, timestamptz);
 
 -- The columns the applier locates rows by: replica identity index, else primary key.
 CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
