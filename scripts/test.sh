@@ -84,10 +84,11 @@ run_tests() {
     fi
     # The seeded randomized suites (e2e_convergence, e2e_identifiers) take
     # MM_SEED; unset, CI would draw a new one every run. Pinned to a seed
-    # that passes while a rare divergence of the all-shapes run is open (a
-    # `uq` row left on one node; seen in 1 of ~20 runs with fresh seeds,
-    # e.g. MM_SEED=424636934 seed_b, timing-dependent): set MM_SEED to
-    # explore others.
+    # that passes while a divergence of the all-shapes run is open (a `uq`
+    # row left on one node: a fast-path INSERT racing a DELETE of its key,
+    # docs/ARCHITECTURE.md "Streams from several peers at once"; e.g.
+    # MM_SEED=424636934 seed_a, about 1 run in 3, timing-dependent): set
+    # MM_SEED to explore others.
     export MM_SEED="${MM_SEED:-12}"
     if cargo nextest --version >/dev/null 2>&1; then
         # Test threads and timeouts are set in .config/nextest.toml.
