@@ -297,38 +297,6 @@ fn apply_pids_sql(kind: Kind, sub: &str) -> String {
     }
 }
 
-/// The processes that count (agent, apply backends, walsenders), found again
-/// every round: parallel apply workers and walsenders come and go.
-async fn pids(sys: &System) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
-    let agent: Vec<u32> = match sys.kind {
-        Kind::Native => Vec::new(),
-        Kind::Mm => sys
-            .agents()
-            .get(1)
-            .and_then(|a| a.pid())
-            .into_iter()
-            .collect(),
-    };
-    let apply = pid_list(
-        sys.b()
-            .query_strings(&apply_pids_sql(sys.kind, &native_sub(sys)))
-            .await?,
-    );
-    let wal = pid_list(
-        sys.a()
-            .query_strings("SELECT pid::text FROM pg_stat_replication")
-            .await?,
-    );
-    Ok((agent, apply, wal))
-}
-
-fn pid_list(rows: Vec<Vec<Option<String>>>) -> Vec<u32> {
-    rows.into_iter()
-        .filter_map(|r| r.into_iter().next().flatten())
-        .filter_map(|s| s.parse().ok())
-        .collect()
-}
-
 /// (utime + stime, start time) of a process, both in seconds since boot
 /// (clock ticks of 100 Hz, Linux's USER_HZ).
 fn cpu_and_start(pid: u32) -> Option<(f64, f64)> {
@@ -389,19 +357,35 @@ impl CpuSum {
             .iter()
             .map(|(p, l)| l - self.first.get(p).copied().unwrap_or(*l))
             .sum();
-        sum.max(0.0)
+        // Not -0.0 (the sum of nothing) in the report.
+        if sum > 0.0 { sum } else { 0.0 }
     }
 }
 
 impl Sampler {
     async fn start(sys: &System) -> Result<Sampler> {
-        let (agent, apply, wal) = pids(sys).await?;
         let stop = Arc::new(AtomicBool::new(false));
-        // A second connection per node for the pid lists, owned by the task.
+        // The processes that count: the subscriber's agent, its apply
+        // backends and the publisher's walsenders; the last two are found
+        // again every round (parallel apply workers and walsenders come and
+        // go), over a connection per node owned by the task.
+        let agent: Vec<u32> = match sys.kind {
+            Kind::Native => Vec::new(),
+            Kind::Mm => sys
+                .agents()
+                .get(1)
+                .and_then(|a| a.pid())
+                .into_iter()
+                .collect(),
+        };
         let b = sys.b().connect().await?;
         let a = sys.a().connect().await?;
         let kind = sys.kind;
         let sub = native_sub(sys);
+        let apply_sql = apply_pids_sql(kind, &sub);
+        let wal_sql = "SELECT pid::text FROM pg_stat_replication";
+        let apply = simple_pids(&b, &apply_sql).await?;
+        let wal = simple_pids(&a, wal_sql).await?;
         let flag = Arc::clone(&stop);
         let task = tokio::spawn(async move {
             let since = uptime();
@@ -421,12 +405,8 @@ impl Sampler {
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 // Every round: a catch-up may last less than 100 ms.
-                apply = simple_pids(&b, &apply_pids_sql(kind, &sub))
-                    .await
-                    .unwrap_or(apply);
-                wal = simple_pids(&a, "SELECT pid::text FROM pg_stat_replication")
-                    .await
-                    .unwrap_or(wal);
+                apply = simple_pids(&b, &apply_sql).await.unwrap_or(apply);
+                wal = simple_pids(&a, wal_sql).await.unwrap_or(wal);
             }
             Ok(Resources {
                 agent_cpu: ag.total(),
