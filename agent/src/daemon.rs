@@ -169,6 +169,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         status: Arc::clone(&status),
         resolvers: Arc::new(resolvers),
         watermarks: Arc::clone(&watermarks),
+        gate: crate::apply::Gate::new(),
         token: Arc::clone(&token),
     };
     let watermark_task = tokio::spawn(crate::watermark::run(

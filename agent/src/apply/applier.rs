@@ -138,6 +138,8 @@ pub struct ApplyContext {
     pub peer_password: Option<String>,
     /// What this node has applied from every origin (`watermark.rs`).
     pub applied: Arc<crate::watermark::Watermarks>,
+    /// Shared by every stream into this node (`gate.rs`).
+    pub gate: super::gate::Gate,
 }
 
 pub struct Applier {
@@ -558,7 +560,12 @@ impl Applier {
     }
 
     async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
+        let guard = self.enter_gate().await.map_err(|mut f| {
+            f.txn.get_or_insert(*meta);
+            f
+        })?;
         let mut pipe = self.take_pipe()?;
+        pipe.hold(meta.end_lsn, guard);
         // A skipped transaction needs its audit row: never one statement.
         // Tables in foreign keys need their orphan checks before the commit.
         let single = (!self.skips.contains(&meta.commit_lsn))
@@ -579,6 +586,23 @@ impl Applier {
         })?;
         self.next_expected = meta.end_lsn;
         Ok(())
+    }
+
+    /// The gate (`gate.rs`), shared, for the next fast-path transaction.
+    /// When a careful transaction holds it or waits for it, this stream's
+    /// queued transactions must commit first, letting go of their share:
+    /// otherwise the careful one waits for them and they for it.
+    async fn enter_gate(&mut self) -> Result<super::gate::Shared, ApplyFailure> {
+        if let Some(g) = self.ctx.gate.try_shared() {
+            return Ok(g);
+        }
+        self.settle(0).await?;
+        if !self.txn_open
+            && let Some(p) = self.pipe.as_mut()
+        {
+            p.release_all();
+        }
+        Ok(self.ctx.gate.shared().await)
     }
 
     /// A fast-path statement met a conflict in a queued transaction: every

@@ -106,6 +106,10 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
         let mut src = body.open()?;
+        // Invariant (`gate.rs`): no fast-path transaction of any stream is
+        // in flight from here to COMMIT; this stream's own were drained by
+        // `recover`, so it does not wait for itself.
+        let _gate = self.ctx.gate.exclusive().await;
         self.client.batch_execute("BEGIN").await.map_err(pg)?;
         // Invariant (one careful transaction at a time per node): streams
         // from different peers apply in parallel sessions, and a careful
@@ -114,8 +118,9 @@ impl Applier {
         // each read the other's state from before it committed (a delete's
         // tombstone not yet visible to a concurrent update of that key, which
         // then brings the row back on this node only). Taken before the
-        // first read, held until COMMIT; fast-path transactions do not take
-        // it (their row statements wait on row locks instead).
+        // first read, held until COMMIT. Within one agent the gate above
+        // already does this; the lock says it to PostgreSQL too (any other
+        // session applying on this node's behalf, and what pg_locks shows).
         self.client
             .execute(sql::CAREFUL_LOCK, &[])
             .await

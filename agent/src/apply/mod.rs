@@ -23,12 +23,14 @@ mod applier;
 mod careful;
 mod compensation;
 mod fk;
+mod gate;
 mod param;
 mod pipeline;
 mod relation;
 pub mod sql;
 
 pub use applier::{Applier, ApplyContext, ChangeSource, InMemory, Replayable, TxnBody, TxnMeta};
+pub use gate::Gate;
 pub use param::Param;
 pub use pipeline::Done;
 

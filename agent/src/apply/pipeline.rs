@@ -79,6 +79,9 @@ pub struct Pipeline {
     /// Orphans logged by the transaction being settled, by relation.
     orphans: Vec<(&'static str, Arc<str>)>,
     pub done: VecDeque<Done>,
+    /// The gate (`gate.rs`), held shared by every queued transaction (by
+    /// end LSN) until its commit's reply is read or the pipeline drained.
+    guards: VecDeque<(mm_proto::Lsn, super::gate::Shared)>,
 }
 
 impl Pipeline {
@@ -91,7 +94,26 @@ impl Pipeline {
             rows: 0,
             orphans: Vec::new(),
             done: VecDeque::new(),
+            guards: VecDeque::new(),
         }
+    }
+
+    /// Holds `guard` until the transaction ending at `end` has committed
+    /// (or the pipeline is drained).
+    pub fn hold(&mut self, end: mm_proto::Lsn, guard: super::gate::Shared) {
+        self.guards.push_back((end, guard));
+    }
+
+    /// Lets go of the gate for every transaction up to `end`.
+    fn release(&mut self, end: mm_proto::Lsn) {
+        while self.guards.front().is_some_and(|(l, _)| *l <= end) {
+            self.guards.pop_front();
+        }
+    }
+
+    /// Lets go of the gate entirely: nothing queued is uncommitted.
+    pub fn release_all(&mut self) {
+        self.guards.clear();
     }
 
     /// Queues and SENDS a statement. The first poll of a tokio-postgres query
@@ -156,6 +178,7 @@ impl Pipeline {
                         self.rows += meta.rows;
                     }
                     if meta.commits {
+                        self.release(meta.txn.end_lsn);
                         self.done.push_back(Done {
                             meta: meta.txn,
                             rows: std::mem::take(&mut self.rows),
@@ -190,6 +213,7 @@ impl Pipeline {
     /// failed one, and those queued behind it, whose progress guard fails).
     pub async fn drain(&mut self) {
         while self.inflight.get_mut().next().await.is_some() {}
+        self.guards.clear();
         self.count = 0;
         self.rows = 0;
         self.orphans.clear();

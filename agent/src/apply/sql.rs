@@ -195,6 +195,11 @@ pub fn fast_insert(
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
              THEN true ELSE mm.conflict() END"
         );
+        // After each row's index entries went in (and any wait there on a
+        // deleter of the old row): its tombstone, with a fresh snapshot.
+        // Unqualified names in RETURNING are the target's columns.
+        let key = key_json(keys, |_, c| quote_ident(c));
+        let _ = write!(s, " RETURNING mm.insert_recheck({relid}, {key})");
     }
     s
 }
@@ -487,7 +492,8 @@ mod tests {
              WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $5::timestamptz) THEN true ELSE mm.conflict() END \
              AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
-             THEN true ELSE mm.conflict() END"
+             THEN true ELSE mm.conflict() END \
+             RETURNING mm.insert_recheck(42, pg_catalog.jsonb_build_object('id', \"id\"))"
         );
         // Without a key there is nothing to tombstone: the truncate check only.
         assert_eq!(

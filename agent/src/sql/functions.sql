@@ -278,6 +278,26 @@ BEGIN
 END
 $fn$;
 
+-- Called by a fast-path INSERT for every row it inserted (its RETURNING
+-- list), after the row's index entries went in: raises MM001 when the
+-- row's key has a tombstone now. The statement's own tombstone check ran
+-- under its snapshot, taken before the insert may have waited at the key's
+-- index entry on a transaction deleting the old row (a user's DELETE, a
+-- compensating delete, another stream's applied delete); when that one
+-- commits the insert goes in, and only a fresh snapshot sees the tombstone
+-- it left. VOLATILE (the default) is what gives each call that snapshot in
+-- READ COMMITTED. Any tombstone found here is newer than the statement's
+-- snapshot, so the resolver has to judge the insert against it.
+CREATE OR REPLACE FUNCTION mm.insert_recheck(p_rel oid, p_key jsonb) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+  IF EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = p_rel AND tb.key = p_key) THEN
+    RAISE EXCEPTION USING ERRCODE = 'MM001', MESSAGE = 'mm: conflict, resolving (a tombstone committed while the insert waited)';
+  END IF;
+  RETURN true;
+END
+$fn$;
+
 -- A compensating delete (mm.compensations, schema version 4), run by the
 -- agent in an ordinary session after the applying transaction committed:
 -- deletes the key's row if one is back, raises its tombstone to this

@@ -48,6 +48,9 @@ pub struct LocalNode {
     pub status: Arc<StatusRegistry>,
     pub resolvers: Arc<crate::conflict::TableResolvers>,
     pub watermarks: Arc<crate::watermark::Watermarks>,
+    /// Between fast-path and careful transactions of all streams
+    /// (`apply/gate.rs`).
+    pub gate: crate::apply::Gate,
     /// The cluster token, for asking peers whether this node was removed.
     pub token: Arc<str>,
 }
@@ -200,6 +203,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             peer_dsn: peer.peer_dsn.clone(),
             peer_password: local.password.clone(),
             applied: Arc::clone(&local.watermarks),
+            gate: local.gate.clone(),
         },
     )
     .await
