@@ -1196,7 +1196,7 @@ impl Applier {
         let stmt = match &rel.insert_batch {
             Some(s) => s.clone(),
             None => {
-                let text = fast_insert_sql(rel, INSERT_BATCH);
+                let text = fast_insert_sql(rel, INSERT_BATCH, Commit::Later);
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(oid)?.insert_batch = Some(s.clone());
                 s
@@ -1232,10 +1232,7 @@ impl Applier {
         let stmt = match &rel.insert[slot] {
             Some(s) => s.clone(),
             None => {
-                let mut text = fast_insert_sql(rel, 1);
-                if let Commit::Fused { first } = commit {
-                    text = sql::fused_insert(&text, first);
-                }
+                let text = fast_insert_sql(rel, 1, commit);
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(ins.relation_oid)?.insert[slot] = Some(s.clone());
                 s
@@ -1398,7 +1395,7 @@ impl Applier {
     }
 }
 
-fn fast_insert_sql(rel: &LocalRelation, rows: usize) -> String {
+fn fast_insert_sql(rel: &LocalRelation, rows: usize, commit: Commit) -> String {
     let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
     let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
     sql::fast_insert(
@@ -1408,6 +1405,7 @@ fn fast_insert_sql(rel: &LocalRelation, rows: usize) -> String {
         rows,
         rel.relid,
         rel.key_names().as_deref(),
+        commit,
     )
 }
 

@@ -161,6 +161,7 @@ pub fn fast_insert(
     rows: usize,
     relid: u32,
     key_cols: Option<&[&str]>,
+    commit: Commit,
 ) -> String {
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
     let names = names.join(", ");
@@ -195,13 +196,43 @@ pub fn fast_insert(
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
              THEN true ELSE mm.conflict() END"
         );
-        // After each row's index entries went in (and any wait there on a
-        // deleter of the old row): its tombstone, with a fresh snapshot.
         // Unqualified names in RETURNING are the target's columns.
-        let key = key_json(keys, |_, c| quote_ident(c));
-        let _ = write!(s, " RETURNING mm.insert_recheck({relid}, {key})");
+        let ret: Vec<String> = keys.iter().map(|c| quote_ident(c)).collect();
+        let _ = write!(s, " RETURNING {}", ret.join(", "));
+        let recheck = insert_recheck(relid, keys, rows);
+        return match commit {
+            Commit::Later => format!("WITH i AS ({s}) SELECT {recheck}"),
+            Commit::Fused { first } => format!(
+                "WITH i AS ({s}), {} SELECT {recheck}, {}",
+                progress_cte(first),
+                progress_cols(first)
+            ),
+        };
     }
-    s
+    match commit {
+        Commit::Later => s,
+        Commit::Fused { first } => fused_insert(&s, first),
+    }
+}
+
+/// The re-check of a fast-path INSERT's keys (its `i` CTE returns them)
+/// after every row went in, with a fresh snapshot: `mm.insert_recheck`
+/// (functions.sql says why). The first WHEN runs the insert to its end
+/// (CASE evaluates in order, the InitPlan when first used), so the check
+/// comes after any wait at an index entry. For many rows the keys are
+/// only built when the table has a tombstone at all by then; for one, that
+/// test would cost a function call as dear as the check itself.
+fn insert_recheck(relid: u32, keys: &[&str], rows: usize) -> String {
+    let key = key_json(keys, |_, c| format!("i.{}", quote_ident(c)));
+    let gate = if rows > 1 {
+        format!("WHEN NOT mm.has_tombstones({relid}) THEN true ")
+    } else {
+        String::new()
+    };
+    format!(
+        "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL {gate}\
+         ELSE mm.insert_recheck({relid}, ARRAY(SELECT {key} FROM i)) END"
+    )
 }
 
 /// Parameters after a fast-path INSERT's row values: the remote commit
@@ -328,9 +359,9 @@ pub fn fast_delete(
     }
 }
 
-/// A fast-path INSERT (`fast_insert`) that is its transaction's only change,
-/// fused with the progress call (see `Commit::Fused`).
-pub fn fused_insert(insert: &str, first: usize) -> String {
+/// An INSERT that is its transaction's only change, fused with the
+/// progress call (see `Commit::Fused`).
+fn fused_insert(insert: &str, first: usize) -> String {
     format!(
         "WITH i AS ({insert}), {} SELECT {}",
         progress_cte(first),
@@ -485,19 +516,30 @@ mod tests {
     #[test]
     fn fast_path_statements_fold_the_conflict_checks_in() {
         let t = qualified("public", "acc");
-        let ins = fast_insert(&t, &["id", "v"], &["integer", "text"], 2, 42, Some(&["id"]));
+        let ins = fast_insert(
+            &t,
+            &["id", "v"],
+            &["integer", "text"],
+            2,
+            42,
+            Some(&["id"]),
+            Commit::Later,
+        );
         assert_eq!(
             ins,
-            "INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
              WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $5::timestamptz) THEN true ELSE mm.conflict() END \
              AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
              OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
              THEN true ELSE mm.conflict() END \
-             RETURNING mm.insert_recheck(42, pg_catalog.jsonb_build_object('id', \"id\"))"
+             RETURNING \"id\") \
+             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL \
+             WHEN NOT mm.has_tombstones(42) THEN true \
+             ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i)) END"
         );
         // Without a key there is nothing to tombstone: the truncate check only.
         assert_eq!(
-            fast_insert(&t, &["a"], &["text"], 1, 42, None),
+            fast_insert(&t, &["a"], &["text"], 1, 42, None, Commit::Later),
             "INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::text)) v (\"a\") \
              WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $2::timestamptz) THEN true ELSE mm.conflict() END"
         );
@@ -536,6 +578,25 @@ mod tests {
             fused_insert(&insert(&t, &["a"]), 2),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1)), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $4::pg_lsn, remote_commit_ts = $5::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $2::text AND remote_lsn = $3::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $5::timestamptz)"
+        );
+        // One row, fused: the re-check runs before the progress record.
+        assert_eq!(
+            fast_insert(
+                &t,
+                &["id"],
+                &["integer"],
+                1,
+                42,
+                Some(&["id"]),
+                Commit::Fused { first: 3 }
+            ),
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer)) v (\"id\") \
+             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $2::timestamptz) THEN true ELSE mm.conflict() END \
+             AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) THEN true ELSE mm.conflict() END \
+             RETURNING \"id\"), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
+             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i)) END, \
+             (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
