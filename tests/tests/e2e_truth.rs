@@ -126,6 +126,24 @@ async fn paused_stream_lag_and_wait_sync() -> Result<()> {
     // ... unless paused streams are left out on purpose.
     c.wait_sync_ignore_paused(60).await?;
 
+    // A write behind the other paused stream, and wait-sync at once: the lag
+    // it names is what waits now, not the agent's last lag probe (which runs
+    // once a second and still said 0).
+    c.pg[1].execute("INSERT INTO t VALUES (-1, 'late')").await?;
+    let out = c.mmctl(0, &["wait-sync", "--timeout", "60"]).await?;
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("lp2 → lp1"))
+        .with_context(|| format!("wait-sync does not name lp2 → lp1: {}", out.stderr))?;
+    let bytes: u64 = line
+        .split("lag ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("no lag in bytes: {line}"))?;
+    ensure!(bytes > 0, "a row waits, yet: {line}");
+
     c.resume("lp1", "lp2").await?;
     c.resume("lp2", "lp1").await?;
     c.wait_sync(90).await?;

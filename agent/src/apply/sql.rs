@@ -148,12 +148,14 @@ pub fn quote_literal(s: &str) -> String {
 }
 
 /// Fast-path INSERT of `rows` rows. A taken key fails it with a unique
-/// violation; a tombstoned key, or a truncate of the table at or after the
-/// remote commit timestamp (param `$rows*cols+1`), raises `MM001`
-/// (`mm.conflict()`); either way the transaction is redone with the
-/// resolver. The per-row tombstone lookup only runs when the table has
-/// tombstones at all, and the truncate check once per statement (InitPlans).
-/// `types` are the local column types: VALUES needs them to type its params.
+/// violation. After every row went in, `mm.insert_recheck` (functions.sql)
+/// raises `MM001` when a key has a tombstone or the table was truncated at
+/// or after the remote commit timestamp (param `$rows*cols+1`); either way
+/// the transaction is redone with the resolver. The checks run after the
+/// insert, not in its WHERE, because the statement's snapshot misses a
+/// delete (or truncate) committing while the insert runs or waits at an
+/// index entry; the later check sees everything the earlier one would have.
+/// `types` are the local column types, to type the params.
 pub fn fast_insert(
     table: &str,
     cols: &[&str],
@@ -164,9 +166,10 @@ pub fn fast_insert(
     commit: Commit,
 ) -> String {
     let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
-    let names = names.join(", ");
-    let mut s =
-        format!("INSERT INTO {table} ({names}) OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ");
+    let mut s = format!(
+        "INSERT INTO {table} ({}) OVERRIDING SYSTEM VALUE VALUES ",
+        names.join(", ")
+    );
     let mut n = 0;
     for r in 0..rows {
         if r > 0 {
@@ -182,56 +185,51 @@ pub fn fast_insert(
         }
         s.push(')');
     }
-    let _ = write!(
-        s,
-        ") v ({names}) WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = {relid} \
-         AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= ${}::timestamptz) THEN true ELSE mm.conflict() END",
-        n + 1
-    );
-    if let Some(keys) = key_cols {
-        let key = key_json(keys, |_, c| format!("v.{}", quote_ident(c)));
-        let _ = write!(
-            s,
-            " AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid}) \
-             OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = {relid} AND tb.key = {key}) \
-             THEN true ELSE mm.conflict() END"
-        );
-        // Unqualified names in RETURNING are the target's columns.
-        let ret: Vec<String> = keys.iter().map(|c| quote_ident(c)).collect();
+    // Unqualified names in RETURNING are the target's columns.
+    let ret: Vec<String> = key_cols
+        .unwrap_or(&[])
+        .iter()
+        .map(|c| quote_ident(c))
+        .collect();
+    if ret.is_empty() {
+        s.push_str(" RETURNING 1");
+    } else {
         let _ = write!(s, " RETURNING {}", ret.join(", "));
-        let recheck = insert_recheck(relid, keys, rows);
-        return match commit {
-            Commit::Later => format!("WITH i AS ({s}) SELECT {recheck}"),
-            Commit::Fused { first } => format!(
-                "WITH i AS ({s}), {} SELECT {recheck}, {}",
-                progress_cte(first),
-                progress_cols(first)
-            ),
-        };
     }
+    let recheck = insert_recheck(relid, key_cols, rows, n + 1);
     match commit {
-        Commit::Later => s,
-        Commit::Fused { first } => fused_insert(&s, first),
+        Commit::Later => format!("WITH i AS ({s}) SELECT {recheck}"),
+        Commit::Fused { first } => format!(
+            "WITH i AS ({s}), {} SELECT {recheck}, {}",
+            progress_cte(first),
+            progress_cols(first)
+        ),
     }
 }
 
-/// The re-check of a fast-path INSERT's keys (its `i` CTE returns them)
-/// after every row went in, with a fresh snapshot: `mm.insert_recheck`
+/// The checks of a fast-path INSERT (its `i` CTE returns the keys), after
+/// every row went in, with a fresh snapshot: `mm.insert_recheck`
 /// (functions.sql says why). The first WHEN runs the insert to its end
 /// (CASE evaluates in order, the InitPlan when first used), so the check
-/// comes after any wait at an index entry. For many rows the keys are
-/// only built when the table has a tombstone at all by then; for one, that
-/// test would cost a function call as dear as the check itself.
-fn insert_recheck(relid: u32, keys: &[&str], rows: usize) -> String {
-    let key = key_json(keys, |_, c| format!("i.{}", quote_ident(c)));
-    let gate = if rows > 1 {
-        format!("WHEN NOT mm.has_tombstones({relid}) THEN true ")
-    } else {
-        String::new()
+/// comes after any wait at an index entry. For many rows the keys are only
+/// built when the table has a tombstone at all by then; for one, that test
+/// would cost a function call as dear as the check itself.
+fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: usize) -> String {
+    let keys = match key_cols {
+        None => "NULL::jsonb[]".to_owned(),
+        Some(keys) => {
+            let key = key_json(keys, |_, c| format!("i.{}", quote_ident(c)));
+            let all = format!("ARRAY(SELECT {key} FROM i)");
+            if rows > 1 {
+                format!("CASE WHEN mm.has_tombstones({relid}) THEN {all} END")
+            } else {
+                all
+            }
+        }
     };
     format!(
-        "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL {gate}\
-         ELSE mm.insert_recheck({relid}, ARRAY(SELECT {key} FROM i)) END"
+        "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL \
+         ELSE mm.insert_recheck({relid}, {keys}, ${ts_param}::timestamptz) END"
     )
 }
 
@@ -357,16 +355,6 @@ pub fn fast_delete(
         }
         None => format!("WITH d AS ({s} RETURNING 1){}", checked_select("d", commit)),
     }
-}
-
-/// An INSERT that is its transaction's only change, fused with the
-/// progress call (see `Commit::Fused`).
-fn fused_insert(insert: &str, first: usize) -> String {
-    format!(
-        "WITH i AS ({insert}), {} SELECT {}",
-        progress_cte(first),
-        progress_cols(first)
-    )
 }
 
 /// Upserts the tombstone of one key (params `$1..` typed by `types`).
@@ -527,21 +515,16 @@ mod tests {
         );
         assert_eq!(
             ins,
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer, $2::text), ($3::integer, $4::text)) v (\"id\", \"v\") \
-             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $5::timestamptz) THEN true ELSE mm.conflict() END \
-             AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) \
-             OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) \
-             THEN true ELSE mm.conflict() END \
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1::integer, $2::text), ($3::integer, $4::text) \
              RETURNING \"id\") \
              SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL \
-             WHEN NOT mm.has_tombstones(42) THEN true \
-             ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i)) END"
+             ELSE mm.insert_recheck(42, CASE WHEN mm.has_tombstones(42) THEN ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i) END, $5::timestamptz) END"
         );
         // Without a key there is nothing to tombstone: the truncate check only.
         assert_eq!(
             fast_insert(&t, &["a"], &["text"], 1, 42, None, Commit::Later),
-            "INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::text)) v (\"a\") \
-             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $2::timestamptz) THEN true ELSE mm.conflict() END"
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1) \
+             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
@@ -575,9 +558,19 @@ mod tests {
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $8::pg_lsn, remote_commit_ts = $9::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $6::text AND remote_lsn = $7::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM d)::mm.one_row, (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $9::timestamptz)"
         );
         assert_eq!(
-            fused_insert(&insert(&t, &["a"]), 2),
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1)), \
-             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $4::pg_lsn, remote_commit_ts = $5::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $2::text AND remote_lsn = $3::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $5::timestamptz)"
+            fast_insert(
+                &t,
+                &["a"],
+                &["text"],
+                1,
+                42,
+                None,
+                Commit::Fused { first: 3 }
+            ),
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
+             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END, \
+             (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
         );
         // One row, fused: the re-check runs before the progress record.
         assert_eq!(
@@ -590,12 +583,9 @@ mod tests {
                 Some(&["id"]),
                 Commit::Fused { first: 3 }
             ),
-            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE SELECT v.* FROM (VALUES ($1::integer)) v (\"id\") \
-             WHERE CASE WHEN NOT EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = 42 AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= $2::timestamptz) THEN true ELSE mm.conflict() END \
-             AND CASE WHEN NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42) OR NOT EXISTS (SELECT 1 FROM mm.tombstones tb WHERE tb.relid = 42 AND tb.key = pg_catalog.jsonb_build_object('id', v.\"id\")) THEN true ELSE mm.conflict() END \
-             RETURNING \"id\"), \
+            "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE VALUES ($1::integer) RETURNING \"id\"), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
-             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i)) END, \
+             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz) END, \
              (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
         );
         // A quote in a key column name stays inside the literal.

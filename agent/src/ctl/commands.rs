@@ -553,8 +553,9 @@ async fn judge(
             Ok(PendingResponse {
                 first_commit_ts: Some(ts),
             }) => Verdict::Stuck(format!(
-                "paused with changes waiting (first committed {}; {lag}); resume it, or pass --ignore-paused",
-                ts.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+                "paused with changes waiting (first committed {}; {}); resume it, or pass --ignore-paused",
+                ts.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                paused_lag(s, target, ts, chrono::Utc::now())
             )),
             Err(e) => Verdict::Behind(format!("paused; cannot tell what waits: {e}")),
         };
@@ -574,6 +575,23 @@ async fn judge(
     }
 }
 
+/// A paused stream's lag as of now: the barrier (the publisher's WAL
+/// position when wait-sync started) minus what was applied, and the age of
+/// the first change waiting. The agent's own figures come from a probe that
+/// runs once a second, so right after writes they still read 0.
+fn paused_lag(
+    s: Option<&StreamStatus>,
+    target: Lsn,
+    first_waiting: chrono::DateTime<chrono::Utc>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> String {
+    let secs = (now - first_waiting).num_milliseconds().max(0) as f64 / 1000.0;
+    match s.and_then(|s| s.applied_lsn) {
+        Some(a) => format!("lag {} bytes, {secs:.1} s", target.0.saturating_sub(a.0)),
+        None => format!("lag {secs:.1} s"),
+    }
+}
+
 fn lag_text(s: &StreamStatus) -> String {
     match (s.lag_bytes, s.lag_seconds) {
         (Some(b), Some(t)) => format!("lag {b} bytes, {t:.1} s"),
@@ -587,6 +605,26 @@ fn lag_text(s: &StreamStatus) -> String {
 mod tests {
     use super::*;
     use mm_proto::api::{LeaderInfo, Members, StreamStatus};
+
+    #[test]
+    fn a_paused_streams_lag_is_measured_against_the_barrier_and_the_first_waiting_change() {
+        let now = chrono::Utc::now();
+        // The probe's figures are stale (0): not used.
+        let mut status = stream("a", "b");
+        status.applied_lsn = Some(Lsn(1000));
+        status.lag_bytes = Some(0);
+        status.lag_seconds = Some(0.0);
+        assert_eq!(
+            paused_lag(
+                Some(&status),
+                Lsn(1500),
+                now - chrono::Duration::milliseconds(2500),
+                now
+            ),
+            "lag 500 bytes, 2.5 s"
+        );
+        assert_eq!(paused_lag(None, Lsn(1500), now, now), "lag 0.0 s");
+    }
 
     fn node(id: u64, name: &str) -> NodeInfo {
         NodeInfo {
