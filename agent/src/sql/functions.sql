@@ -286,8 +286,8 @@ $fn$;
 -- entry on a transaction deleting the old row (a user's DELETE, a
 -- compensating delete, another stream's applied delete), and when that one
 -- commits the insert goes in; only a fresh snapshot sees the tombstone it
--- left. Likewise a TRUNCATE committing between the statement's snapshot and
--- its table lock. VOLATILE (the default) is what gives each call that
+-- left. The truncate check moved here from the INSERT's WHERE with it.
+-- VOLATILE (the default) is what gives each call that
 -- snapshot in READ COMMITTED; the body has sublinks, so it is never inlined
 -- into the caller's snapshot. One call per statement, not per row (per
 -- row, a 100-row INSERT cost 3x); SQL, not plpgsql: measurably cheaper.
