@@ -23,10 +23,20 @@ use crate::conflict::TableResolvers;
 const PIPELINE_WINDOW: usize = 2048;
 /// Transactions applied one at a time after a conflict (see `apply`).
 const CONFLICT_STREAK: u32 = 64;
-/// Rows per multi-row INSERT for runs of inserts into one table.
-const INSERT_BATCH: usize = 100;
+/// Rows per multi-row INSERT for runs of inserts into one table: large
+/// statements first, then small ones, the rest row by row (`batch_sizes`).
+/// Every statement costs the backend its setup and the insert's re-check
+/// call, so fewer, larger statements win.
+const INSERT_BATCHES: [usize; 2] = [1000, 100];
 /// PostgreSQL's limit on bind parameters per statement.
 const MAX_PARAMS: usize = 65535;
+
+/// `INSERT_BATCHES` for a table of `width` columns, within the parameter
+/// limit (a size below 2 is not used).
+fn batch_sizes(width: usize) -> [usize; 2] {
+    let most = (MAX_PARAMS - sql::INSERT_EXTRA_PARAMS) / width.max(1);
+    INSERT_BATCHES.map(|n| n.min(most))
+}
 
 /// Identity of the remote transaction being applied.
 #[derive(Debug, Clone, Copy)]
@@ -714,11 +724,12 @@ impl Applier {
                     // Consecutive inserts into one table go out as multi-row
                     // INSERTs: one protocol round per batch instead of per row.
                     let oid = i.relation_oid;
+                    let most = batch_sizes(self.rel(oid)?.local_names.len())[0];
                     let mut batch = vec![i];
                     loop {
                         match src.next_message()? {
                             Some(Message::Insert(j))
-                                if j.relation_oid == oid && batch.len() < INSERT_BATCH =>
+                                if j.relation_oid == oid && batch.len() < most =>
                             {
                                 batch.push(j)
                             }
@@ -1179,40 +1190,44 @@ impl Applier {
             }
         }
         let width = self.rel(oid)?.local_names.len();
-        if rows.len() < INSERT_BATCH || width * INSERT_BATCH + sql::INSERT_EXTRA_PARAMS > MAX_PARAMS
-        {
-            for ins in rows {
-                self.insert(pipe, txn, ins, None).await?;
+        let mut rows = rows.as_slice();
+        for (slot, n) in batch_sizes(width).into_iter().enumerate() {
+            while n >= 2 && rows.len() >= n {
+                let (chunk, rest) = rows.split_at(n);
+                rows = rest;
+                let rel = self.rel(oid)?;
+                let display = Arc::clone(&rel.display);
+                let mut params = Vec::with_capacity(width * n + 1);
+                for ins in chunk {
+                    params.extend(tuple_params(&ins.new, rel, None)?);
+                }
+                params.push(Param::timestamptz(txn.commit_ts.0));
+                let stmt = match &rel.insert_batch[slot] {
+                    Some(s) => s.clone(),
+                    None => {
+                        let text = fast_insert_sql(rel, n, Commit::Later);
+                        let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+                        self.rel_mut(oid)?.insert_batch[slot] = Some(s.clone());
+                        s
+                    }
+                };
+                push_row(
+                    n as u64,
+                    pipe,
+                    &stmt,
+                    params,
+                    OpKind::Insert,
+                    display,
+                    txn,
+                    Commit::Later,
+                )
+                .await?;
             }
-            return Ok(());
         }
-        let rel = self.rel(oid)?;
-        let display = Arc::clone(&rel.display);
-        let mut params = Vec::with_capacity(width * rows.len());
-        for ins in &rows {
-            params.extend(tuple_params(&ins.new, rel, None)?);
+        for ins in rows {
+            self.insert(pipe, txn, ins.clone(), None).await?;
         }
-        params.push(Param::timestamptz(txn.commit_ts.0));
-        let stmt = match &rel.insert_batch {
-            Some(s) => s.clone(),
-            None => {
-                let text = fast_insert_sql(rel, INSERT_BATCH, Commit::Later);
-                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
-                self.rel_mut(oid)?.insert_batch = Some(s.clone());
-                s
-            }
-        };
-        push_row(
-            INSERT_BATCH as u64,
-            pipe,
-            &stmt,
-            params,
-            OpKind::Insert,
-            display,
-            txn,
-            Commit::Later,
-        )
-        .await
+        Ok(())
     }
 
     /// One row; `progress` makes it the whole transaction (`Commit::Fused`).
@@ -1630,4 +1645,27 @@ pub(super) fn partition_truncate_params(
         Param::text(String::from_utf8_lossy(&m.content).into_owned()),
         Param::timestamptz(txn.commit_ts.0),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_batches_stay_within_the_parameter_limit() {
+        assert_eq!(batch_sizes(3), [1000, 100]);
+        // 65534 params for the rows: 200 columns fit 327 rows.
+        assert_eq!(batch_sizes(200), [327, 100]);
+        assert_eq!(batch_sizes(1000), [65, 65]);
+        // Too wide for two rows: row by row (sizes below 2 are not used).
+        assert_eq!(batch_sizes(40000), [1, 1]);
+        for w in [1, 7, 66, 655, 656, 1600] {
+            for n in batch_sizes(w) {
+                assert!(
+                    n * w + sql::INSERT_EXTRA_PARAMS <= MAX_PARAMS,
+                    "width {w}: {n} rows"
+                );
+            }
+        }
+    }
 }

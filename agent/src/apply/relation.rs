@@ -49,8 +49,8 @@ pub struct LocalRelation {
     /// Single-row INSERT: [inside a transaction, a whole transaction]
     /// (`sql::Commit`).
     pub insert: [Option<Statement>; 2],
-    /// Multi-row INSERT of `INSERT_BATCH` rows.
-    pub insert_batch: Option<Statement>,
+    /// Multi-row INSERTs of `batch_sizes` rows (fixed per relation: its width).
+    pub insert_batch: [Option<Statement>; 2],
     /// Keyed by (columns left out of SET, columns left out of the row match).
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
@@ -223,7 +223,7 @@ impl LocalRelation {
             fk_stmts: HashMap::new(),
             remote,
             insert: [None, None],
-            insert_batch: None,
+            insert_batch: [None, None],
             update: HashMap::new(),
             delete: HashMap::new(),
         })
