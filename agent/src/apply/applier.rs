@@ -1190,11 +1190,11 @@ impl Applier {
             }
         }
         let width = self.rel(oid)?.local_names.len();
-        let mut rows = rows.as_slice();
+        let mut done = 0;
         for (slot, n) in batch_sizes(width).into_iter().enumerate() {
-            while n >= 2 && rows.len() >= n {
-                let (chunk, rest) = rows.split_at(n);
-                rows = rest;
+            while n >= 2 && rows.len() - done >= n {
+                let chunk = &rows[done..done + n];
+                done += n;
                 let rel = self.rel(oid)?;
                 let display = Arc::clone(&rel.display);
                 let mut params = Vec::with_capacity(width * n + 1);
@@ -1224,8 +1224,8 @@ impl Applier {
                 .await?;
             }
         }
-        for ins in rows {
-            self.insert(pipe, txn, ins.clone(), None).await?;
+        for ins in rows.into_iter().skip(done) {
+            self.insert(pipe, txn, ins, None).await?;
         }
         Ok(())
     }

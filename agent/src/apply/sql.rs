@@ -197,14 +197,7 @@ pub fn fast_insert(
         let _ = write!(s, " RETURNING {}", ret.join(", "));
     }
     let recheck = insert_recheck(relid, key_cols, rows, n + 1);
-    match commit {
-        Commit::Later => format!("WITH i AS ({s}) SELECT {recheck}"),
-        Commit::Fused { first } => format!(
-            "WITH i AS ({s}), {} SELECT {recheck}, {}",
-            progress_cte(first),
-            progress_cols(first)
-        ),
-    }
+    format!("WITH i AS ({s}){}", final_select(&recheck, commit))
 }
 
 /// The checks of a fast-path INSERT (its `i` CTE returns the keys), after
@@ -307,8 +300,20 @@ pub fn advance_progress() -> String {
 fn checked_select(cte: &str, commit: Commit) -> String {
     match commit {
         Commit::Later => format!(" SELECT count(*)::mm.one_row FROM {cte}"),
+        Commit::Fused { .. } => {
+            final_select(&format!("(SELECT count(*) FROM {cte})::mm.one_row"), commit)
+        }
+    }
+}
+
+/// The SELECT ending a CTE-wrapped statement, returning `cols`; fused, the
+/// progress CTE joins the WITH list and its check columns follow `cols`
+/// (evaluated in order: the statement's own work first).
+fn final_select(cols: &str, commit: Commit) -> String {
+    match commit {
+        Commit::Later => format!(" SELECT {cols}"),
         Commit::Fused { first } => format!(
-            ", {} SELECT (SELECT count(*) FROM {cte})::mm.one_row, {}",
+            ", {} SELECT {cols}, {}",
             progress_cte(first),
             progress_cols(first)
         ),
