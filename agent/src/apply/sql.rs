@@ -207,23 +207,37 @@ pub fn fast_insert(
 /// comes after any wait at an index entry. For many rows the keys are only
 /// built when the table has a tombstone at all by then; for one, that test
 /// would cost a function call as dear as the check itself.
+///
+/// One row with a key needs no wrapper: the function's argument reads `i`
+/// to its end before the call. Without a key, one row needs only EXISTS
+/// (`i` has inserted its row once it returned it), cheaper than an
+/// aggregate: single-row transactions are the backend-bound case.
 fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: usize) -> String {
-    let keys = match key_cols {
-        None => "NULL::jsonb[]".to_owned(),
+    let check =
+        |keys: &str| format!("mm.insert_recheck({relid}, {keys}, ${ts_param}::timestamptz)");
+    match key_cols {
         Some(keys) => {
             let key = key_json(keys, |_, c| format!("i.{}", quote_ident(c)));
             let all = format!("ARRAY(SELECT {key} FROM i)");
             if rows > 1 {
-                format!("CASE WHEN mm.has_tombstones({relid}) THEN {all} END")
+                let keys = format!("CASE WHEN mm.has_tombstones({relid}) THEN {all} END");
+                format!(
+                    "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE {} END",
+                    check(&keys)
+                )
             } else {
-                all
+                check(&all)
             }
         }
-    };
-    format!(
-        "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL \
-         ELSE mm.insert_recheck({relid}, {keys}, ${ts_param}::timestamptz) END"
-    )
+        None if rows > 1 => format!(
+            "CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE {} END",
+            check("NULL::jsonb[]")
+        ),
+        None => format!(
+            "CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE {} END",
+            check("NULL::jsonb[]")
+        ),
+    }
 }
 
 /// Parameters after a fast-path INSERT's row values: the remote commit
@@ -284,10 +298,21 @@ fn progress_cte(first: usize) -> String {
 /// else `mm_progress`, read as MM003) and the commit's origin timestamp.
 fn progress_cols(first: usize) -> String {
     format!(
-        "(SELECT count(*) FROM mm_p)::mm.progress_one, \
+        "{}::mm.progress_one, \
          pg_catalog.pg_replication_origin_xact_setup('0/0', ${}::timestamptz)",
+        rows_of_unique("mm_p"),
         first + 3
     )
+}
+
+/// The number of rows (0 or 1) of a CTE that changed rows by a unique key,
+/// as a bigint for the `mm.one_row` / `mm.progress_one` checks: a scalar
+/// subquery, not `count(*)`, whose aggregate node costs the backend more
+/// to set up than the row statement itself saves elsewhere; single-row
+/// transactions are where the apply backend is the bottleneck. COALESCE is
+/// grammar, not a function a user's schema could shadow.
+fn rows_of_unique(cte: &str) -> String {
+    format!("COALESCE((SELECT 1::bigint FROM {cte}), 0)")
 }
 
 /// A transaction's progress record on its own (params `$1..$4`).
@@ -297,10 +322,15 @@ pub fn advance_progress() -> String {
 
 /// The final SELECT of a CTE-wrapped row statement: fails (`mm.one_row`)
 /// unless `cte` returned exactly one row, and records progress when fused.
-fn checked_select(cte: &str, commit: Commit) -> String {
-    match commit {
-        Commit::Later => format!(" SELECT count(*)::mm.one_row FROM {cte}"),
-        Commit::Fused { .. } => {
+/// `loc` says whether at most one row can match: by a key it can, by all
+/// columns (REPLICA IDENTITY FULL) duplicates can match and must be counted.
+fn checked_select(cte: &str, loc: &Locator, commit: Commit) -> String {
+    match (commit, loc) {
+        (Commit::Later, _) => format!(" SELECT count(*)::mm.one_row FROM {cte}"),
+        (Commit::Fused { .. }, Locator::Key(_)) => {
+            final_select(&format!("{}::mm.one_row", rows_of_unique(cte)), commit)
+        }
+        (Commit::Fused { .. }, Locator::AllColumns(_)) => {
             final_select(&format!("(SELECT count(*) FROM {cte})::mm.one_row"), commit)
         }
     }
@@ -332,7 +362,7 @@ pub fn fast_update(
     let mut s = update(table, set_cols, loc);
     let first = set_cols.len() + loc_params + 1;
     let _ = write!(s, " AND {} RETURNING 1", guard(first));
-    format!("WITH u AS ({s}){}", checked_select("u", commit))
+    format!("WITH u AS ({s}){}", checked_select("u", loc, commit))
 }
 
 /// Fast-path DELETE: deletes when `mm.routine` allows and leaves a tombstone
@@ -355,10 +385,13 @@ pub fn fast_delete(
                 "WITH d AS ({s} RETURNING {}), tb AS (INSERT INTO mm.tombstones (relid, key) \
                  SELECT {relid}, {key} FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid){}",
                 ret.join(", "),
-                checked_select("d", commit)
+                checked_select("d", loc, commit)
             )
         }
-        None => format!("WITH d AS ({s} RETURNING 1){}", checked_select("d", commit)),
+        None => format!(
+            "WITH d AS ({s} RETURNING 1){}",
+            checked_select("d", loc, commit)
+        ),
     }
 }
 
@@ -529,7 +562,7 @@ mod tests {
         assert_eq!(
             fast_insert(&t, &["a"], &["text"], 1, 42, None, Commit::Later),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1) \
-             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END"
+             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
@@ -547,7 +580,7 @@ mod tests {
         assert_eq!(
             fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7 }),
             "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
-             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text AND remote_lsn = $8::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM u)::mm.one_row, (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text AND remote_lsn = $8::pg_lsn RETURNING 1) SELECT COALESCE((SELECT 1::bigint FROM u), 0)::mm.one_row, COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
         );
         assert_eq!(
             fast_delete(
@@ -560,7 +593,7 @@ mod tests {
             ),
             "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 LIMIT 1 FOR UPDATE) \
              AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
-             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $8::pg_lsn, remote_commit_ts = $9::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $6::text AND remote_lsn = $7::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM d)::mm.one_row, (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $9::timestamptz)"
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $8::pg_lsn, remote_commit_ts = $9::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $6::text AND remote_lsn = $7::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM d)::mm.one_row, COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $9::timestamptz)"
         );
         assert_eq!(
             fast_insert(
@@ -574,8 +607,8 @@ mod tests {
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
-             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END, \
-             (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
+             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END, \
+             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
         );
         // One row, fused: the re-check runs before the progress record.
         assert_eq!(
@@ -590,8 +623,8 @@ mod tests {
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE VALUES ($1::integer) RETURNING \"id\"), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
-             SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL ELSE mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz) END, \
-             (SELECT count(*) FROM mm_p)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
+             SELECT mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz), \
+             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
