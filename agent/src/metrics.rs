@@ -31,7 +31,7 @@ pub fn render(registry: &StatusRegistry) -> String {
     let streams = registry.snapshot();
     let mut out = String::new();
     type Getter = fn(&StreamStatus) -> Option<f64>;
-    let families: [(&str, &str, &str, Getter); 9] = [
+    let families: [(&str, &str, &str, Getter); 10] = [
         (
             "mm_stream_state",
             "gauge",
@@ -79,6 +79,12 @@ pub fn render(registry: &StatusRegistry) -> String {
             "counter",
             "bytes of in-progress transactions received before commit",
             |s| Some(s.streamed_bytes as f64),
+        ),
+        (
+            "mm_stream_early_transactions_total",
+            "counter",
+            "transactions applied while they still arrived (before their COMMIT)",
+            |s| Some(s.early_txns as f64),
         ),
         (
             "mm_stream_processed_lsn",

@@ -78,6 +78,7 @@ impl StatusRegistry {
             routine: 0,
             restarts: 0,
             streamed_bytes: 0,
+            early_txns: 0,
             error_kind: None,
             stuck_lsn: None,
             stuck_commit_ts: None,

@@ -44,6 +44,11 @@ pub struct StreamStatus {
     /// before their commit: evidence that large transactions stream.
     #[serde(default)]
     pub streamed_bytes: u64,
+    /// Transactions sent whole whose changes were applied while they still
+    /// arrived, before their COMMIT (large ones): evidence that receiving
+    /// and applying overlap.
+    #[serde(default)]
+    pub early_txns: u64,
     /// Whether the last error will go away by itself (a connection, a
     /// restart) or needs an operator (a transaction that cannot be applied).
     #[serde(default)]

@@ -109,6 +109,9 @@ async fn a_large_transaction_sent_after_commit_is_applied_with_bounded_memory() 
         .and_then(|v| v.as_u64())
         .unwrap_or(0);
     anyhow::ensure!(streamed == 0, "the publisher streamed it after all: {s}");
+    // Applied while it arrived (apply/early.rs), not only after its COMMIT.
+    let early = s.get("early_txns").and_then(|v| v.as_u64()).unwrap_or(0);
+    anyhow::ensure!(early == 1, "not applied while it arrived: {s}");
     let peak = c.agents[1].peak_rss_bytes().unwrap_or(0);
     eprintln!("nl2 agent peak RSS: {} MiB", peak >> 20);
     const CEILING: u64 = 100 * 1024 * 1024;
@@ -120,5 +123,50 @@ async fn a_large_transaction_sent_after_commit_is_applied_with_bounded_memory() 
     c.wait_sync(120).await?;
     c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
         .await?;
+    Ok(())
+}
+
+/// A large transaction applied while it arrives meets a key the
+/// subscriber wrote later (a conflict in its middle): its early part rolls
+/// back and it is applied whole at its COMMIT, with the resolver. Both
+/// nodes keep the newer row (last writer wins), every other row arrives
+/// once, and the conflict is logged where it was met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_inside_a_transaction_applied_while_it_arrives_is_resolved() -> Result<()> {
+    mm_tests::init_tracing();
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1GB");
+    let c = TestCluster::start_with(&["el1", "el2"], SCHEMA, opts).await?;
+    c.pause("el1", "el2").await?;
+    c.pg[0]
+        .execute("INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 20000) g")
+        .await?;
+    // Newer than the 20k-row transaction: it wins on both nodes.
+    c.pg[1]
+        .execute("INSERT INTO big VALUES (15000, 'written on el2 later')")
+        .await?;
+    c.resume("el1", "el2").await?;
+    c.wait_sync(180).await?;
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+    for i in 0..2 {
+        let got = c.pg[i]
+            .query_one_string("SELECT payload FROM big WHERE id = 15000")
+            .await?;
+        anyhow::ensure!(
+            got.as_deref() == Some("written on el2 later"),
+            "node {i}: row 15000 is {got:?}"
+        );
+        let n = c.pg[i].query_one_string("SELECT count(*) FROM big").await?;
+        anyhow::ensure!(n.as_deref() == Some("20000"), "node {i}: {n:?} rows");
+    }
+    let logged = c.pg[1]
+        .query_one_string(
+            "SELECT count(*) FROM mm.conflict_log WHERE conflict_type = 'insert_exists' AND key = '{\"id\": 15000}'",
+        )
+        .await?;
+    anyhow::ensure!(
+        logged.as_deref() == Some("1"),
+        "el2's conflict log: {logged:?}"
+    );
     Ok(())
 }

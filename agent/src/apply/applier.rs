@@ -165,9 +165,9 @@ pub struct Applier {
     store_watermark: Statement,
     /// Transactions queued and not yet committed, with their changes, in
     /// order: what `recover` applies again.
-    queued: VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>,
+    pub(super) queued: VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>,
     /// Commit LSNs of this publisher's transactions an operator asked to skip.
-    skips: HashSet<Lsn>,
+    pub(super) skips: HashSet<Lsn>,
     /// Routine cross-origin changes: counted by `mm.routine` in a session
     /// setting on the fast path (rolled back with their transaction), and
     /// here by the careful path.
@@ -175,13 +175,13 @@ pub struct Applier {
     routine_careful: u64,
     routine_taken: u64,
     /// Transactions left to apply one at a time after a conflict.
-    streak: u32,
+    pub(super) streak: u32,
     pub(super) relations: HashMap<u32, LocalRelation>,
     begin: Statement,
     advance: Statement,
     commit: Statement,
     /// Statements sent and not yet answered, across transactions.
-    pipe: Option<Pipeline>,
+    pub(super) pipe: Option<Pipeline>,
     /// The progress the next queued transaction expects to find stored:
     /// the end of the transaction queued before it.
     pub(super) next_expected: Lsn,
@@ -196,6 +196,10 @@ pub struct Applier {
     /// to roll back (a ROLLBACK outside a transaction makes PostgreSQL log
     /// a warning, once per conflict).
     txn_open: bool,
+    /// The transaction being applied while it still arrives (`early.rs`),
+    /// with its end LSN not known yet (its commit LSN stands in). Gone when
+    /// the pipeline rolls back: it is then applied whole at its COMMIT.
+    pub(super) early: Option<TxnMeta>,
     /// Orphan checks of the transaction being queued, run before its
     /// progress and commit (`fk.rs`).
     fk_pending: Vec<super::fk::FkCheck>,
@@ -339,6 +343,7 @@ impl Applier {
             unflushed: VecDeque::new(),
             durable: Lsn::INVALID,
             txn_open: false,
+            early: None,
             fk_pending: Vec::new(),
             origin_client: None,
         };
@@ -529,7 +534,7 @@ impl Applier {
 
     /// Waits until everything queued is answered; conflicts met on the way
     /// are resolved (which queues transactions again, hence the loop).
-    async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
+    pub(super) async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
         loop {
             match self.settle(0).await {
                 Err(f) if f.conflict => self.recover(f).await?,
@@ -602,7 +607,7 @@ impl Applier {
     /// When a careful transaction holds it or waits for it, this stream's
     /// queued transactions must commit first, letting go of their share:
     /// otherwise the careful one waits for them and they for it.
-    async fn enter_gate(&mut self) -> Result<super::gate::Shared, ApplyFailure> {
+    pub(super) async fn enter_gate(&mut self) -> Result<super::gate::Shared, ApplyFailure> {
         if let Some(g) = self.ctx.gate.try_shared() {
             return Ok(g);
         }
@@ -676,6 +681,7 @@ impl Applier {
         let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
         self.pipe = Some(pipe);
         // Whatever was left open (a transaction queued only in part).
+        self.early = None;
         if std::mem::take(&mut self.txn_open) {
             self.client
                 .batch_execute("ROLLBACK")
@@ -700,16 +706,40 @@ impl Applier {
         meta: &TxnMeta,
         src: &mut dyn ChangeSource,
     ) -> Result<(), ApplyFailure> {
-        let txn = *meta;
-        let control = |kind| control_op(kind, txn);
-        self.fk_pending.clear();
-        self.txn_open = true;
-        pipe.push(&self.begin.clone(), Vec::new(), control(OpKind::Control))
-            .await?;
+        self.queue_begin(pipe, meta).await?;
         if self.skips.contains(&meta.commit_lsn) {
             return self.queue_skip(pipe, meta, src).await;
         }
-        // Formatted once per transaction, not per row.
+        self.queue_changes(pipe, meta, src).await?;
+        self.finish_queue(pipe, meta).await
+    }
+
+    /// Opens a transaction's local transaction: BEGIN.
+    pub(super) async fn queue_begin(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        self.fk_pending.clear();
+        self.txn_open = true;
+        pipe.push(
+            &self.begin.clone(),
+            Vec::new(),
+            control_op(OpKind::Control, *meta),
+        )
+        .await
+    }
+
+    /// Queues the changes `src` holds, after `queue_begin`: all of a
+    /// transaction's, or (`early.rs`) the next part of one still arriving.
+    pub(super) async fn queue_changes(
+        &mut self,
+        pipe: &mut Pipeline,
+        meta: &TxnMeta,
+        src: &mut dyn ChangeSource,
+    ) -> Result<(), ApplyFailure> {
+        let txn = *meta;
+        // Formatted once per call, not per row.
         let guard = self.guard_params(&txn);
         let mut next = src.next_message()?;
         while let Some(msg) = next.take() {
@@ -787,7 +817,7 @@ impl Applier {
             }
             next = src.next_message()?;
         }
-        self.finish_queue(pipe, meta).await
+        Ok(())
     }
 
     /// A transaction whose only change is `change`, as one statement that
@@ -832,7 +862,7 @@ impl Applier {
     }
 
     /// Records progress (on top of the previous transaction's) and commits.
-    async fn finish_queue(
+    pub(super) async fn finish_queue(
         &mut self,
         pipe: &mut Pipeline,
         meta: &TxnMeta,
@@ -1034,7 +1064,7 @@ impl Applier {
         self.finish_queue(pipe, meta).await
     }
 
-    fn take_pipe(&mut self) -> Result<Pipeline, ApplyFailure> {
+    pub(super) fn take_pipe(&mut self) -> Result<Pipeline, ApplyFailure> {
         self.pipe.take().ok_or_else(|| {
             ApplyFailure::new(None, "apply session unusable after an earlier failure")
         })

@@ -22,6 +22,7 @@
 mod applier;
 mod careful;
 mod compensation;
+mod early;
 mod fk;
 mod gate;
 mod param;

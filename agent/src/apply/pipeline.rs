@@ -104,6 +104,15 @@ impl Pipeline {
         self.guards.push_back((end, guard));
     }
 
+    /// The last transaction held for learned its end LSN (it was held
+    /// while it still arrived, `early.rs`, under `Lsn::MAX`, which keeps it
+    /// held through the commits of those before it).
+    pub fn rekey_last(&mut self, end: mm_proto::Lsn) {
+        if let Some((l, _)) = self.guards.back_mut() {
+            *l = end;
+        }
+    }
+
     /// Lets go of the gate for every transaction up to `end`.
     fn release(&mut self, end: mm_proto::Lsn) {
         while self.guards.front().is_some_and(|(l, _)| *l <= end) {

@@ -272,6 +272,7 @@ pub fn aggregate(
                 processed_lsn: None,
                 restarts: None,
                 streamed_bytes: None,
+                early_txns: None,
                 last_error: None,
                 error_kind: None,
                 stuck_lsn: None,
@@ -294,6 +295,7 @@ pub fn aggregate(
                         p.processed_lsn = s.processed_lsn;
                         p.restarts = Some(s.restarts);
                         p.streamed_bytes = Some(s.streamed_bytes);
+                        p.early_txns = Some(s.early_txns);
                         p.last_error = s.last_error.clone();
                         p.error_kind = s.error_kind;
                         p.stuck_lsn = s.stuck_lsn;

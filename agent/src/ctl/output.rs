@@ -63,6 +63,9 @@ pub struct PairView {
     pub restarts: Option<u64>,
     /// Bytes of in-progress transactions received before their commit.
     pub streamed_bytes: Option<u64>,
+    /// Transactions applied while they still arrived (before their COMMIT).
+    #[serde(default)]
+    pub early_txns: Option<u64>,
     pub last_error: Option<String>,
     /// `transient` (retried until it passes) or `definite` (needs an operator).
     #[serde(default)]

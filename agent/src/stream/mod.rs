@@ -352,7 +352,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         current = Some(OpenTxn::new(b));
                     }
                     Message::Commit(c) => {
-                        let Some(open) = current.take() else {
+                        let Some(mut open) = current.take() else {
                             return Err(proto_err("COMMIT without BEGIN".into()));
                         };
                         let meta = TxnMeta {
@@ -361,6 +361,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             end_lsn: c.end_lsn,
                             commit_ts: c.commit_timestamp,
                         };
+                        let early = open.early.take();
                         let body: TxnBody = if open.spilled {
                             let spooled = spool.take(open.begin.xid).map_err(|source| {
                                 StreamError::Spool {
@@ -375,7 +376,18 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         } else {
                             Arc::new(InMemory(Arc::new(open.msgs)))
                         };
-                        apply_one(&mut applier, &pname, &meta, body).await?;
+                        match early {
+                            Some(rest) => {
+                                let was = applier
+                                    .commit_early(&meta, body, rest)
+                                    .await
+                                    .map_err(|f| apply_err(&pname, Some(&meta), f))?;
+                                if was {
+                                    status.update(&pname, |s| s.early_txns += 1);
+                                }
+                            }
+                            None => apply_one(&mut applier, &pname, &meta, body).await?,
+                        }
                         progress.last_queued = meta.end_lsn;
                         finished(&mut applier, local, &pname, &mut progress);
                     }
@@ -471,12 +483,15 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                     | Message::Truncate(_)
                     | Message::Message(_)
                     | Message::Origin(_)) => match current.as_mut() {
-                        Some(open) => open.push(other, raw, &mut spool).map_err(|source| {
-                            StreamError::Spool {
-                                peer: pname.clone(),
-                                source,
-                            }
-                        })?,
+                        Some(open) => {
+                            open.push(other, raw, &mut spool).map_err(|source| {
+                                StreamError::Spool {
+                                    peer: pname.clone(),
+                                    source,
+                                }
+                            })?;
+                            apply_early(&mut applier, &pname, open).await?;
+                        }
                         None => {
                             return Err(proto_err(format!(
                                 "{} outside a transaction",
@@ -512,6 +527,11 @@ struct OpenTxn {
     bytes: usize,
     /// Its messages are in the spool under its xid, not in `msgs`.
     spilled: bool,
+    /// Applied while it arrives (`apply/early.rs`): the messages received
+    /// since the last part was queued.
+    early: Option<Vec<Message>>,
+    /// The applier declined to begin it early: it waits for its COMMIT.
+    early_declined: bool,
 }
 
 impl OpenTxn {
@@ -522,11 +542,17 @@ impl OpenTxn {
             raws: Vec::new(),
             bytes: 0,
             spilled: false,
+            early: None,
+            early_declined: false,
         }
     }
 
     fn push(&mut self, m: Message, raw: Bytes, spool: &mut Spool) -> std::io::Result<()> {
         let xid = self.begin.xid;
+        if let Some(part) = self.early.as_mut() {
+            // Values are shared `Bytes`: the clone copies no row data.
+            part.push(m.clone());
+        }
         if self.spilled {
             return spool.append_committed(xid, &raw);
         }
@@ -542,6 +568,47 @@ impl OpenTxn {
         }
         Ok(())
     }
+}
+
+/// A transaction this big (bytes of messages, below `SPILL_AT` so its
+/// first messages are still in memory) is applied while it arrives, in
+/// parts of `EARLY_PART` messages: smaller ones gain nothing from it, and
+/// many of them are single rows that go out as one statement at COMMIT.
+const EARLY_AT: usize = 256 << 10;
+const EARLY_PART: usize = 2000;
+
+/// Begins applying `open` before its COMMIT once it is big enough
+/// (`apply/early.rs`), then queues each further part.
+async fn apply_early(
+    applier: &mut Applier,
+    peer: &str,
+    open: &mut OpenTxn,
+) -> Result<(), StreamError> {
+    let meta = TxnMeta {
+        xid: open.begin.xid,
+        commit_lsn: open.begin.final_lsn,
+        // Not known before COMMIT; what failures name until then.
+        end_lsn: open.begin.final_lsn,
+        commit_ts: open.begin.commit_timestamp,
+    };
+    let err = |f| apply_err(peer, Some(&meta), f);
+    let part = match open.early.as_mut() {
+        None => {
+            if open.early_declined || open.spilled || open.bytes < EARLY_AT {
+                return Ok(());
+            }
+            if !applier.begin_early(&meta).await.map_err(err)? {
+                open.early_declined = true;
+                return Ok(());
+            }
+            debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, "applying a large transaction while it arrives");
+            open.early = Some(Vec::new());
+            open.msgs.clone()
+        }
+        Some(part) if part.len() >= EARLY_PART => std::mem::take(part),
+        Some(_) => return Ok(()),
+    };
+    applier.queue_early(part).await.map_err(err)
 }
 
 fn spool_append(

@@ -1,0 +1,124 @@
+//! Applying a large transaction while it still arrives.
+//!
+//! The publisher sends an ordinary (not streamed) transaction whole, after
+//! it committed there. Applied only at its COMMIT, receiving it and
+//! applying it take turns: the walsender and the apply backend each wait
+//! for the other, and a 200k-row transaction took twice native's time
+//! (native's worker applies each change as it arrives). pgoutput's BEGIN
+//! carries the commit LSN and timestamp, all the fast path's statements
+//! need; only the progress record needs the end LSN, which comes with
+//! COMMIT. So once a transaction is big enough (the stream decides,
+//! `stream::OpenTxn`), its changes are queued in parts as they arrive,
+//! into one open local transaction.
+//!
+//! Invariants, as for `Applier::apply`:
+//! - Nothing commits before the COMMIT arrives: the progress record and
+//!   COMMIT are only queued by `commit_early`.
+//! - Exactly-once and commit order: the transactions before it are settled
+//!   first (`begin_early`), so a failure while it arrives is its own. A
+//!   conflict rolls the pipeline back (`recover`), which ends early apply
+//!   (`Applier::early` is cleared wherever the pipeline rolls back); at its
+//!   COMMIT the transaction is then applied whole from its kept changes,
+//!   like any other (fast path, then careful). A crash leaves an
+//!   uncommitted local transaction, which PostgreSQL rolls back.
+
+use std::sync::Arc;
+
+use mm_proto::Lsn;
+use mm_proto::pgoutput::Message;
+
+use super::ApplyFailure;
+use super::applier::{Applier, TxnBody, TxnMeta};
+
+impl Applier {
+    /// Opens the local transaction of `meta` (end LSN unknown: its commit
+    /// LSN stands in) before its COMMIT arrived. False: not now (right
+    /// after conflicts, when each transaction is settled alone; or an
+    /// operator asked to skip it); it is applied at its COMMIT instead.
+    pub async fn begin_early(&mut self, meta: &TxnMeta) -> Result<bool, ApplyFailure> {
+        if self.early.is_some() || self.streak > 0 || self.skips.contains(&meta.commit_lsn) {
+            return Ok(false);
+        }
+        self.settle_all().await?;
+        let guard = self.enter_gate().await.map_err(|f| with_txn(f, meta))?;
+        let mut pipe = self.take_pipe()?;
+        // Held through the commits before it; `commit_early` sets its end.
+        pipe.hold(Lsn(u64::MAX), guard);
+        let r = self.queue_begin(&mut pipe, meta).await;
+        self.pipe = Some(pipe);
+        self.early = Some(*meta);
+        self.early_result(r, meta).await?;
+        Ok(self.early.is_some())
+    }
+
+    /// Queues the next changes of the transaction begun early; nothing
+    /// when it no longer is (rolled back: it waits for its COMMIT).
+    pub async fn queue_early(&mut self, msgs: Vec<Message>) -> Result<(), ApplyFailure> {
+        let Some(meta) = self.early else {
+            return Ok(());
+        };
+        let mut pipe = self.take_pipe()?;
+        let r = self
+            .queue_changes(&mut pipe, &meta, &mut msgs.into_iter())
+            .await;
+        self.pipe = Some(pipe);
+        self.early_result(r, &meta).await
+    }
+
+    /// A transaction's COMMIT arrived: queues the changes not queued yet
+    /// (`rest`), its progress record and COMMIT when it was begun early
+    /// (true); otherwise applies it whole (`apply`, false).
+    pub async fn commit_early(
+        &mut self,
+        meta: &TxnMeta,
+        body: TxnBody,
+        rest: Vec<Message>,
+    ) -> Result<bool, ApplyFailure> {
+        if self.early.is_none_or(|e| e.commit_lsn != meta.commit_lsn) {
+            return self.apply(meta, body).await.map(|()| false);
+        }
+        self.early = None;
+        self.queued
+            .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
+        let mut pipe = self.take_pipe()?;
+        pipe.rekey_last(meta.end_lsn);
+        let mut r = self
+            .queue_changes(&mut pipe, meta, &mut rest.into_iter())
+            .await;
+        if r.is_ok() {
+            r = self.finish_queue(&mut pipe, meta).await;
+        }
+        self.pipe = Some(pipe);
+        match r {
+            Ok(()) => {
+                self.next_expected = meta.end_lsn;
+                Ok(true)
+            }
+            Err(f) if f.conflict => self.recover(with_txn(f, meta)).await.map(|()| true),
+            Err(f) => Err(with_txn(f, meta)),
+        }
+    }
+
+    /// A conflict while the transaction arrives: everything before it is
+    /// committed, so rolling back loses only its own part, applied whole
+    /// at its COMMIT.
+    async fn early_result(
+        &mut self,
+        r: Result<(), ApplyFailure>,
+        meta: &TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        match r {
+            Ok(()) => Ok(()),
+            Err(f) if f.conflict => {
+                tracing::debug!(commit_lsn = %meta.commit_lsn, "conflict while the transaction arrives: applying it at its COMMIT");
+                self.recover(with_txn(f, meta)).await
+            }
+            Err(f) => Err(with_txn(f, meta)),
+        }
+    }
+}
+
+fn with_txn(mut f: ApplyFailure, meta: &TxnMeta) -> ApplyFailure {
+    f.txn.get_or_insert(*meta);
+    f
+}
