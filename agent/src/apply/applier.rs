@@ -8,14 +8,14 @@ use chrono::{DateTime, Utc};
 
 use mm_proto::Lsn;
 use mm_proto::pgoutput::{
-    ColumnValue, Delete, Insert, KeyValue, Message, OldTuple, PgTimestamp, Truncate, TupleData,
-    Update,
+    ColumnValue, Delete, Insert, Message, OldTuple, PgTimestamp, Truncate, TupleData, Update,
 };
 use tokio_postgres::{Client, Statement};
 
 use super::pipeline::{Done, OpKind, OpMeta, Pipeline};
 use super::relation::LocalRelation;
-use super::sql::{self, Commit, Locator};
+use super::sql::{self, Commit};
+use super::tuple::{column_count, locate, masked_locator, tuple_params};
 use super::{ApplyFailure, Param};
 use crate::conflict::TableResolvers;
 
@@ -206,23 +206,6 @@ pub struct Applier {
     /// A connection to the publisher, opened when a conflict first needs
     /// values it did not send.
     pub(super) origin_client: Option<Client>,
-}
-
-pub(super) fn value(v: &ColumnValue, rel: &str, col: &str) -> Result<Param, ApplyFailure> {
-    match v {
-        ColumnValue::Null => Ok(Param::Null),
-        ColumnValue::Text(b) => Ok(Param::Text(b.clone())),
-        ColumnValue::Binary(_) => Err(ApplyFailure::new(
-            Some(rel),
-            format!(
-                "column \"{col}\" arrived in binary format, which this stream did not negotiate"
-            ),
-        )),
-        ColumnValue::UnchangedToast => Err(ApplyFailure::new(
-            Some(rel),
-            format!("column \"{col}\" arrived as 'unchanged TOAST' where a full value is required"),
-        )),
-    }
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -963,107 +946,6 @@ impl Applier {
         Ok(())
     }
 
-    /// `mmctl skip`: the transaction's changes are not applied; its progress
-    /// is, with an audit row in the conflict log naming the relations and
-    /// the rows skipped (keys as sent, the first `SKIP_AUDIT_ROWS`), and the
-    /// request is consumed in the same local transaction. RELATION messages
-    /// inside it are still taken: the publisher sends each relation once per
-    /// session, and later transactions refer to it.
-    async fn queue_skip(
-        &mut self,
-        pipe: &mut Pipeline,
-        meta: &TxnMeta,
-        src: &mut dyn ChangeSource,
-    ) -> Result<(), ApplyFailure> {
-        let txn = *meta;
-        let control = |kind| control_op(kind, txn);
-        let mut relations: Vec<String> = Vec::new();
-        let mut rows: Vec<serde_json::Value> = Vec::new();
-        let mut changes = 0u64;
-        while let Some(msg) = src.next_message()? {
-            let (oid, op, key) = match &msg {
-                Message::Relation(_) => {
-                    pipe.settle(0).await?;
-                    if let Message::Relation(r) = msg {
-                        self.relation(r).await?;
-                    }
-                    continue;
-                }
-                Message::Insert(i) => (i.relation_oid, "insert", Some(&i.new)),
-                Message::Update(u) => (
-                    u.relation_oid,
-                    "update",
-                    match &u.old {
-                        Some(OldTuple::Full(t)) => Some(t),
-                        _ => Some(&u.new),
-                    },
-                ),
-                Message::Delete(d) => (
-                    d.relation_oid,
-                    "delete",
-                    match &d.old {
-                        OldTuple::Full(t) => Some(t),
-                        OldTuple::Key(_) => None,
-                    },
-                ),
-                Message::Truncate(t) => {
-                    for oid in &t.relation_oids {
-                        if let Ok(rel) = self.rel(*oid) {
-                            note_relation(&mut relations, &rel.display);
-                            push_capped(
-                                &mut rows,
-                                serde_json::json!({"relation": &*rel.display, "op": "truncate"}),
-                            );
-                        }
-                    }
-                    changes += 1;
-                    continue;
-                }
-                _ => continue,
-            };
-            changes += 1;
-            let Ok(rel) = self.rel(oid) else { continue };
-            note_relation(&mut relations, &rel.display);
-            let key = match (&msg, key) {
-                (Message::Delete(d), None) => match &d.old {
-                    OldTuple::Key(k) => key_json_of_key(rel, k),
-                    OldTuple::Full(_) => serde_json::Value::Null,
-                },
-                (_, Some(t)) => key_json_of_tuple(rel, t),
-                _ => serde_json::Value::Null,
-            };
-            push_capped(
-                &mut rows,
-                serde_json::json!({"relation": &*rel.display, "op": op, "key": key}),
-            );
-        }
-        let summary = serde_json::json!({"changes": changes, "rows": rows});
-        let audit = Self::prepare_settled(
-            pipe,
-            &self.client,
-            "mm.conflict_log",
-            "WITH r AS (DELETE FROM mm.skip_requests WHERE from_node = $1 AND commit_lsn = $2::pg_lsn) \
-             INSERT INTO mm.conflict_log (relation, conflict_type, remote_origin, remote_commit_ts, remote_lsn, resolution, remote_tuple) \
-             VALUES ($4, 'skipped_transaction', $1, $3::timestamptz, $2::pg_lsn, 'skipped', $5::jsonb)",
-        )
-        .await?;
-        pipe.push(
-            &audit,
-            vec![
-                Param::text(self.ctx.peer.clone()),
-                Param::text(meta.commit_lsn.to_string()),
-                Param::text(meta.commit_ts.to_string()),
-                Param::text(relations.join(", ")),
-                Param::text(summary.to_string()),
-            ],
-            control(OpKind::Control),
-        )
-        .await?;
-        tracing::warn!(commit_lsn = %meta.commit_lsn, xid = meta.xid, relations = %relations.join(", "), changes, "skipping the transaction as requested by mmctl skip");
-        self.skips.remove(&meta.commit_lsn);
-        self.finish_queue(pipe, meta).await
-    }
-
     pub(super) fn take_pipe(&mut self) -> Result<Pipeline, ApplyFailure> {
         self.pipe.take().ok_or_else(|| {
             ApplyFailure::new(None, "apply session unusable after an earlier failure")
@@ -1176,7 +1058,7 @@ impl Applier {
 
     /// Prepares a statement needed mid-transaction. The pipeline is settled
     /// first: a prepare waits for its reply, and replies arrive in order.
-    async fn prepare_settled(
+    pub(super) async fn prepare_settled(
         pipe: &mut Pipeline,
         client: &Client,
         display: &str,
@@ -1455,7 +1337,7 @@ fn fast_insert_sql(rel: &LocalRelation, rows: usize, commit: Commit) -> String {
 }
 
 /// A statement of the transaction itself (BEGIN, progress, COMMIT, audit).
-fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
+pub(super) fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
     OpMeta {
         kind,
         relation: None,
@@ -1478,25 +1360,6 @@ fn commit_at(params: &mut Vec<Param>, progress: Option<[Param; sql::PROGRESS_PAR
     }
 }
 
-/// Columns an update left untouched (unchanged TOAST): never SET.
-pub(super) fn unchanged_mask(tuple: &TupleData) -> Vec<bool> {
-    tuple
-        .columns
-        .iter()
-        .map(|c| matches!(c, ColumnValue::UnchangedToast))
-        .collect()
-}
-
-pub(super) fn column_count(rel: &LocalRelation, got: usize) -> ApplyFailure {
-    ApplyFailure::new(
-        Some(&*rel.display),
-        format!(
-            "tuple has {got} columns but the RELATION message described {}",
-            rel.local_names.len()
-        ),
-    )
-}
-
 #[allow(clippy::too_many_arguments)]
 async fn push_row(
     rows: u64,
@@ -1516,147 +1379,6 @@ async fn push_row(
         commits: commit != Commit::Later,
     };
     pipe.push(stmt, params, meta).await
-}
-
-/// Parameters for every column of `tuple`, skipping those marked in `skip`.
-pub(super) fn tuple_params(
-    tuple: &TupleData,
-    rel: &LocalRelation,
-    skip: Option<&[bool]>,
-) -> Result<Vec<Param>, ApplyFailure> {
-    if tuple.columns.len() != rel.local_names.len() {
-        return Err(column_count(rel, tuple.columns.len()));
-    }
-    let mut out = Vec::with_capacity(tuple.columns.len());
-    for (i, (v, name)) in tuple.columns.iter().zip(&rel.local_names).enumerate() {
-        if skip.is_some_and(|m| m.get(i).copied().unwrap_or(false)) {
-            continue;
-        }
-        out.push(value(v, &rel.display, name)?);
-    }
-    Ok(out)
-}
-
-/// The locator restricted to the columns not masked out.
-pub(super) fn masked_locator(rel: &LocalRelation, mask: &[bool]) -> Locator {
-    match &rel.locator {
-        Locator::Key(k) => Locator::Key(k.clone()),
-        Locator::AllColumns(cols) => Locator::AllColumns(
-            cols.iter()
-                .zip(mask.iter().chain(std::iter::repeat(&false)))
-                .filter(|(_, m)| !**m)
-                .map(|(c, _)| c.clone())
-                .collect(),
-        ),
-    }
-}
-
-/// Values that find the target row: the local key taken from the old tuple
-/// (or, for an update that did not change the key, the new one); or, for
-/// REPLICA IDENTITY FULL without a key, every column of the old row except
-/// unchanged-TOAST ones. Returns (columns left out of the match, params).
-pub(super) fn locate(
-    rel: &LocalRelation,
-    old: Option<&OldTuple>,
-    new: Option<&TupleData>,
-) -> Result<(Vec<bool>, Vec<Param>), ApplyFailure> {
-    match &rel.locator {
-        Locator::Key(names) => {
-            let mut params = Vec::with_capacity(rel.key_remote.len());
-            for (&idx, name) in rel.key_remote.iter().zip(names) {
-                let v = match old {
-                    Some(OldTuple::Full(t)) => t.columns.get(idx),
-                    Some(OldTuple::Key(k)) => match k.values(&rel.remote) {
-                        Ok(mut vals) => match vals.nth(idx) {
-                            Some(KeyValue::Key(v)) => Some(v),
-                            _ => None,
-                        },
-                        Err(e) => {
-                            return Err(ApplyFailure::new(Some(&*rel.display), e.to_string()));
-                        }
-                    },
-                    None => new.and_then(|n| n.columns.get(idx)),
-                };
-                let Some(v) = v else {
-                    return Err(ApplyFailure::new(
-                        Some(&*rel.display),
-                        format!(
-                            "the publisher did not send key column \"{name}\" needed to find the row"
-                        ),
-                    ));
-                };
-                params.push(value(v, &rel.display, name)?);
-            }
-            Ok((Vec::new(), params))
-        }
-        Locator::AllColumns(_) => {
-            let Some(OldTuple::Full(t)) = old else {
-                return Err(ApplyFailure::new(
-                    Some(&*rel.display),
-                    "no local key and the publisher sent no full old row: cannot find the target row",
-                ));
-            };
-            if t.columns.len() != rel.local_names.len() {
-                return Err(column_count(rel, t.columns.len()));
-            }
-            let mask: Vec<bool> = t
-                .columns
-                .iter()
-                .map(|c| matches!(c, ColumnValue::UnchangedToast))
-                .collect();
-            let params = tuple_params(t, rel, Some(&mask))?;
-            Ok((mask, params))
-        }
-    }
-}
-
-/// Rows of a skipped transaction listed in its audit row.
-const SKIP_AUDIT_ROWS: usize = 100;
-
-fn note_relation(relations: &mut Vec<String>, display: &str) {
-    if !relations.iter().any(|r| r == display) {
-        relations.push(display.to_owned());
-    }
-}
-
-fn push_capped(rows: &mut Vec<serde_json::Value>, v: serde_json::Value) {
-    if rows.len() < SKIP_AUDIT_ROWS {
-        rows.push(v);
-    }
-}
-
-fn text_json(v: &ColumnValue) -> serde_json::Value {
-    match v {
-        ColumnValue::Text(b) => serde_json::Value::String(String::from_utf8_lossy(b).into_owned()),
-        _ => serde_json::Value::Null,
-    }
-}
-
-/// The key columns of a full tuple, as sent (text), for audit rows.
-fn key_json_of_tuple(rel: &LocalRelation, t: &TupleData) -> serde_json::Value {
-    let mut m = serde_json::Map::new();
-    let idx: Vec<usize> = if rel.key_remote.is_empty() {
-        (0..t.columns.len()).collect()
-    } else {
-        rel.key_remote.clone()
-    };
-    for i in idx {
-        if let (Some(name), Some(v)) = (rel.local_names.get(i), t.columns.get(i)) {
-            m.insert(name.clone(), text_json(v));
-        }
-    }
-    serde_json::Value::Object(m)
-}
-
-fn key_json_of_key(rel: &LocalRelation, k: &mm_proto::pgoutput::KeyTuple) -> serde_json::Value {
-    let vals = super::fk::old_values(rel, &OldTuple::Key(k.clone()));
-    let mut m = serde_json::Map::new();
-    for (v, name) in vals.iter().zip(&rel.local_names) {
-        if let Some(c) = v {
-            m.insert(name.clone(), text_json(c));
-        }
-    }
-    serde_json::Value::Object(m)
 }
 
 /// A TRUNCATE of one partition, sent by `mm.record_partition_truncate` as a

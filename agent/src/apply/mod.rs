@@ -28,7 +28,9 @@ mod gate;
 mod param;
 mod pipeline;
 mod relation;
+mod skip;
 pub mod sql;
+mod tuple;
 
 pub use applier::{Applier, ApplyContext, ChangeSource, InMemory, Replayable, TxnBody, TxnMeta};
 pub use gate::Gate;
