@@ -206,6 +206,8 @@ pub struct Applier {
     /// A connection to the publisher, opened when a conflict first needs
     /// values it did not send.
     pub(super) origin_client: Option<Client>,
+    /// The careful path's statements by text (`careful.rs`, `prepared`).
+    pub(super) careful_stmts: std::sync::Mutex<HashMap<String, Statement>>,
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -327,6 +329,7 @@ impl Applier {
             durable: Lsn::INVALID,
             txn_open: false,
             early: None,
+            careful_stmts: std::sync::Mutex::new(HashMap::new()),
             fk_pending: Vec::new(),
             origin_client: None,
         };

@@ -17,6 +17,7 @@ use mm_proto::pgoutput::{
     ColumnValue, Delete, Insert, KeyValue, Message, OldTuple, TupleData, Update,
 };
 use serde_json::Value;
+use tokio_postgres::Statement;
 use tokio_postgres::types::ToSql;
 
 use super::applier::{TxnBody, TxnMeta};
@@ -50,6 +51,9 @@ pub(super) struct Outcome {
 /// How often a careful transaction is judged again after losing a race with
 /// another stream (see `apply_careful`) before the stream stops.
 const CONCURRENT_RETRIES: u32 = 8;
+
+/// Careful-path statements kept prepared per session (`Applier::prepared`).
+const CAREFUL_STMTS: usize = 512;
 
 /// A failure caused by another session writing at the same moment: a unique
 /// value taken after it was judged free, a deadlock, a serialization failure.
@@ -109,7 +113,6 @@ impl Applier {
         // in flight from here to COMMIT; this stream's own were drained by
         // `recover`, so it does not wait for itself.
         let _gate = self.ctx.gate.exclusive().await;
-        self.client.batch_execute("BEGIN").await.map_err(pg)?;
         // Invariant (one careful transaction at a time per node): streams
         // from different peers apply in parallel sessions, and a careful
         // transaction decides from what it reads (target, tombstone, rows
@@ -120,8 +123,10 @@ impl Applier {
         // first read, held until COMMIT. Within one agent the gate above
         // already does this; the lock says it to PostgreSQL too (any other
         // session applying on this node's behalf, and what pg_locks shows).
+        // BEGIN and the lock in one round trip (a simple-query batch): the careful path
+        // runs one transaction at a time, so its round trips are its cost.
         self.client
-            .execute(sql::CAREFUL_LOCK, &[])
+            .batch_execute(&format!("BEGIN; {}", sql::CAREFUL_LOCK))
             .await
             .map_err(pg)?;
         let mut out = Outcome::default();
@@ -141,8 +146,9 @@ impl Applier {
                     Message::Delete(d) => self.careful_delete(meta, d, &mut out).await?,
                     Message::Truncate(t) => {
                         let (_, params) = self.truncate_params(meta, &t)?;
+                        let stmt = self.prepared(sql::APPLY_TRUNCATE).await.map_err(pg)?;
                         self.client
-                            .execute(sql::APPLY_TRUNCATE, &params_ref(&params))
+                            .execute(&stmt, &params_ref(&params))
                             .await
                             .map_err(pg)?;
                     }
@@ -151,8 +157,12 @@ impl Applier {
                     }
                     Message::Message(m) if super::applier::is_partition_truncate(&m) => {
                         let params = super::applier::partition_truncate_params(&m, meta);
+                        let stmt = self
+                            .prepared(sql::APPLY_PARTITION_TRUNCATE)
+                            .await
+                            .map_err(pg)?;
                         self.client
-                            .execute(sql::APPLY_PARTITION_TRUNCATE, &params_ref(&params))
+                            .execute(&stmt, &params_ref(&params))
                             .await
                             .map_err(pg)?;
                     }
@@ -184,11 +194,9 @@ impl Applier {
                     out.conflicts.push((super::fk::ORPHAN, Arc::clone(&child)));
                 }
             }
+            let advance = self.prepared(&sql::advance_progress()).await.map_err(pg)?;
             self.client
-                .execute(
-                    &sql::advance_progress(),
-                    &params_ref(&self.progress_params(meta)),
-                )
+                .execute(&advance, &params_ref(&self.progress_params(meta)))
                 .await
                 .map_err(pg)?;
             self.client.batch_execute("COMMIT").await.map_err(pg)?;
@@ -215,17 +223,44 @@ impl Applier {
         Ok(())
     }
 
+    /// A careful-path statement, prepared once per session. Sent as text,
+    /// each would cost a Parse/Describe round trip and a plan; the careful
+    /// path applies one transaction at a time, so its round trips are its
+    /// cost (hot keys: nearly every transaction conflicts). Texts are per
+    /// relation and column shape, so the cache stays small; it is bounded
+    /// anyway.
+    pub(super) async fn prepared(&self, text: &str) -> Result<Statement, tokio_postgres::Error> {
+        let cached = self
+            .careful_stmts
+            .lock()
+            .ok()
+            .and_then(|m| m.get(text).cloned());
+        if let Some(s) = cached {
+            return Ok(s);
+        }
+        let s = self.client.prepare(text).await?;
+        if let Ok(mut m) = self.careful_stmts.lock() {
+            if m.len() >= CAREFUL_STMTS {
+                m.clear();
+            }
+            m.insert(text.to_owned(), s.clone());
+        }
+        Ok(s)
+    }
+
     async fn query_versions(
         &self,
         text: &str,
         params: &[Param],
         rel: &LocalRelation,
     ) -> Result<Vec<Version>, ApplyFailure> {
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+        let stmt = self.prepared(text).await.map_err(pg)?;
         let rows = self
             .client
-            .query(text, &params_ref(params))
+            .query(&stmt, &params_ref(params))
             .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+            .map_err(pg)?;
         let mut out = Vec::with_capacity(rows.len());
         for r in rows {
             out.push(Version {
@@ -328,11 +363,13 @@ impl Applier {
         text: &str,
         params: &[Param],
     ) -> Result<Option<Version>, ApplyFailure> {
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+        let stmt = self.prepared(text).await.map_err(pg)?;
         let rows = self
             .client
-            .query(text, &params_ref(params))
+            .query(&stmt, &params_ref(params))
             .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+            .map_err(pg)?;
         let Some(r) = rows.first() else {
             return Ok(None);
         };
@@ -363,10 +400,12 @@ impl Applier {
         text: &str,
         params: &[Param],
     ) -> Result<u64, ApplyFailure> {
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+        let stmt = self.prepared(text).await.map_err(pg)?;
         self.client
-            .execute(text, &params_ref(params))
+            .execute(&stmt, &params_ref(params))
             .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))
+            .map_err(pg)
     }
 
     /// A tuple as the jsonb object a local row of the table would be;
@@ -390,11 +429,16 @@ impl Applier {
                 _ => Param::Null,
             })
             .collect();
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+        let stmt = self
+            .prepared(&sql::row_json(&names, &types))
+            .await
+            .map_err(pg)?;
         let row = self
             .client
-            .query_one(&sql::row_json(&names, &types), &params_ref(&params))
+            .query_one(&stmt, &params_ref(&params))
             .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+            .map_err(pg)?;
         let mut v: Value = row.try_get(0).map_err(|e| fail(rel, e.to_string()))?;
         if let Value::Object(m) = &mut v {
             for (i, c) in cols.iter().enumerate() {
@@ -473,14 +517,16 @@ impl Applier {
         match self.ctx.resolvers.for_table(&rel.display) {
             ResolverChoice::Rust(r) => Ok(r.resolve(c)),
             ResolverChoice::Sql { function } => {
+                let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+                let stmt = self
+                    .prepared(&format!("SELECT {function}($1::jsonb)"))
+                    .await
+                    .map_err(pg)?;
                 let row = self
                     .client
-                    .query_one(
-                        &format!("SELECT {function}($1::jsonb)"),
-                        &params_ref(&[Param::text(c.to_json().to_string())]),
-                    )
+                    .query_one(&stmt, &params_ref(&[Param::text(c.to_json().to_string())]))
                     .await
-                    .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+                    .map_err(pg)?;
                 let v: Option<Value> = row.try_get(0).map_err(|e| fail(rel, e.to_string()))?;
                 Ok(match v {
                     None | Some(Value::Null) => Resolution::NoRow,
@@ -1037,11 +1083,13 @@ impl Applier {
             rel.table_sql,
             sql::at_row(1)
         );
+        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
+        let stmt = self.prepared(&text).await.map_err(pg)?;
         let row = self
             .client
-            .query_one(&text, &params_ref(&[Param::text(at.to_owned())]))
+            .query_one(&stmt, &params_ref(&[Param::text(at.to_owned())]))
             .await
-            .map_err(|e| ApplyFailure::from_pg(Some(&*rel.display), &e))?;
+            .map_err(pg)?;
         let mut full = new.clone();
         for (n, &i) in missing.iter().enumerate() {
             let v: Option<String> = row.try_get(n).map_err(|e| fail(rel, e.to_string()))?;
