@@ -281,3 +281,44 @@ async fn stream_in_error_lag_wait_sync_status_and_counters() -> Result<()> {
     );
     Ok(())
 }
+
+/// wait-sync started while an agent restarts (its process is back before
+/// its API listens, or not back yet) waits for it within its timeout
+/// instead of failing at once with "connection refused": the supervisor
+/// restarts a killed agent, and an operator's wait-sync should ride that
+/// out. (Seen in the Ansible test: the agent came back, wait-sync did not
+/// wait for it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_sync_waits_for_a_restarting_agent() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["wr1", "wr2"], SCHEMA).await?;
+    c.agents[1].kill9()?;
+    c.pg[0]
+        .execute("INSERT INTO t VALUES (1, 'while wr2 was down')")
+        .await?;
+    let (url, token) = (c.agents[0].url(), c.token_file());
+    let waiter = tokio::spawn(async move {
+        mm_tests::mmctl(&url, &token, &["wait-sync", "--timeout", "60"]).await
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ensure!(
+        !waiter.is_finished(),
+        "wait-sync gave up while wr2's agent was down"
+    );
+    c.agents[1].start()?;
+    let out = waiter.await??;
+    ensure!(
+        out.success(),
+        "wait-sync failed across the restart: {}{}",
+        out.stderr,
+        out.stdout
+    );
+    let got = c.pg[1]
+        .query_one_string("SELECT v FROM t WHERE id = 1")
+        .await?;
+    ensure!(
+        got.as_deref() == Some("while wr2 was down"),
+        "wr2 has {got:?}"
+    );
+    Ok(())
+}

@@ -13,7 +13,7 @@ use mm_proto::api::{
 };
 use serde::Serialize;
 
-use super::client::AgentClient;
+use super::client::{AgentClient, ClientError};
 use super::output::{ClusterStatus, NodeView, PairView, render_conflicts, render_status};
 
 /// A failed command: printed as `mmctl: {what}: {why}`.
@@ -368,10 +368,21 @@ pub async fn wait_sync(
 
     // Each node's WAL position, after it sent the compensating deletes
     // that were due (`compensate`), and how many it ever recorded.
+    // An agent that cannot be reached (restarting: its process is back
+    // before its API listens) is asked again until the timeout; any other
+    // answer is final.
+    let deadline = started + timeout;
     let take_barrier = || async {
         let lsns = join_all(nodes.iter().map(|n| async move {
-            let r = c.get::<WalLsnResponse>(&n.api_url, "/v1/wal-lsn").await;
-            (n.name.clone(), r)
+            loop {
+                let r = c.get::<WalLsnResponse>(&n.api_url, "/v1/wal-lsn").await;
+                match r {
+                    Err(ClientError::Unreachable { .. }) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    r => return (n.name.clone(), r),
+                }
+            }
         }))
         .await;
         let mut barrier = BTreeMap::new();
@@ -406,7 +417,6 @@ pub async fn wait_sync(
     }
     let total = pending.len();
     let all_pairs: Vec<(String, String)> = pending.keys().cloned().collect();
-    let deadline = started + timeout;
     let mut rounds = 1;
     loop {
         let targets: Vec<&NodeInfo> = nodes
