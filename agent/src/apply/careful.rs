@@ -46,7 +46,19 @@ pub(super) struct Version {
 pub(super) struct Outcome {
     rows: u64,
     conflicts: Vec<(&'static str, Arc<str>)>,
+    /// Conflict-log rows (relation, params of `CONFLICT_LOG_INSERT`), sent
+    /// with the progress record and COMMIT in one pipelined round: nothing
+    /// waits for their replies.
+    log_rows: Vec<(Arc<str>, Vec<Param>)>,
 }
+
+/// One statement of the careful transaction's last pipelined round.
+type RoundStatement<'a> =
+    std::pin::Pin<Box<dyn Future<Output = Result<u64, ApplyFailure>> + Send + 'a>>;
+
+const CONFLICT_LOG_INSERT: &str = "INSERT INTO mm.conflict_log (relation, conflict_type, key, local_origin, local_commit_ts, \
+     remote_origin, remote_commit_ts, remote_lsn, resolution, local_tuple, remote_tuple) \
+     VALUES ($1, $2, $3::jsonb, $4, $5::timestamptz, $6, $7::timestamptz, $8::pg_lsn, $9, $10::jsonb, $11::jsonb)";
 
 /// How often a careful transaction is judged again after losing a race with
 /// another stream (see `apply_careful`) before the stream stops.
@@ -130,6 +142,9 @@ impl Applier {
             .await
             .map_err(pg)?;
         let mut out = Outcome::default();
+        // Set when the COMMIT below is sent: it ends the transaction either
+        // way, and a ROLLBACK after it only makes PostgreSQL warn.
+        let commit_sent = std::sync::atomic::AtomicBool::new(false);
         let r = async {
             let mut fk_checks = Vec::new();
             while let Some(msg) = src.next_message()? {
@@ -195,17 +210,47 @@ impl Applier {
                 }
             }
             let advance = self.prepared(&sql::advance_progress()).await.map_err(pg)?;
-            self.client
-                .execute(&advance, &params_ref(&self.progress_params(meta)))
-                .await
-                .map_err(pg)?;
-            self.client.batch_execute("COMMIT").await.map_err(pg)?;
+            let log = self.prepared(CONFLICT_LOG_INSERT).await.map_err(pg)?;
+            let progress = self.progress_params(meta);
+            let log_rows = std::mem::take(&mut out.log_rows);
+            // One pipelined round: the log rows, the progress record and
+            // COMMIT are sent in this order (each query is sent at its first
+            // poll, and `try_join_all` polls in order) and none needs an
+            // earlier one's reply. A failure among them aborts the
+            // transaction, which the COMMIT then rolls back.
+            let mut round: Vec<RoundStatement<'_>> = Vec::with_capacity(log_rows.len() + 2);
+            for (rel, params) in &log_rows {
+                let (client, log) = (&self.client, &log);
+                round.push(Box::pin(async move {
+                    client
+                        .execute(log, &params_ref(params))
+                        .await
+                        .map_err(|e| ApplyFailure::from_pg(Some(rel), &e))
+                }));
+            }
+            let client = &self.client;
+            round.push(Box::pin(async {
+                client
+                    .execute(&advance, &params_ref(&progress))
+                    .await
+                    .map_err(pg)
+            }));
+            let sent = &commit_sent;
+            round.push(Box::pin(async move {
+                // The query goes out at this first poll.
+                sent.store(true, std::sync::atomic::Ordering::Relaxed);
+                client.batch_execute("COMMIT").await.map(|()| 0).map_err(pg)
+            }));
+            futures_util::future::try_join_all(round).await?;
             Ok(())
         }
         .await;
         if let Err(mut f) = r {
-            // BEGIN went through: end the aborted transaction here.
-            let _ = self.client.batch_execute("ROLLBACK").await;
+            // BEGIN went through: end the aborted transaction here, unless
+            // the COMMIT was sent (it ended it either way).
+            if !commit_sent.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = self.client.batch_execute("ROLLBACK").await;
+            }
             f.txn = Some(*meta);
             f.conflict = false;
             return Err(f);
@@ -551,12 +596,9 @@ impl Applier {
             Some(v) => Param::text(v.to_string()),
             None => Param::Null,
         };
-        self.exec(
-            rel,
-            "INSERT INTO mm.conflict_log (relation, conflict_type, key, local_origin, local_commit_ts, \
-             remote_origin, remote_commit_ts, remote_lsn, resolution, local_tuple, remote_tuple) \
-             VALUES ($1, $2, $3::jsonb, $4, $5::timestamptz, $6, $7::timestamptz, $8::pg_lsn, $9, $10::jsonb, $11::jsonb)",
-            &[
+        out.log_rows.push((
+            Arc::clone(&rel.display),
+            vec![
                 Param::text(rel.display.to_string()),
                 Param::text(c.kind.as_str().to_owned()),
                 opt_json(key),
@@ -570,8 +612,7 @@ impl Applier {
                 opt_json(c.local.clone()),
                 opt_json(remote_tuple),
             ],
-        )
-        .await?;
+        ));
         out.conflicts
             .push((c.kind.as_str(), Arc::clone(&rel.display)));
         Ok(())
