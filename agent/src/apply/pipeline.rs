@@ -52,6 +52,11 @@ pub struct OpMeta {
     pub commits: bool,
 }
 
+/// Rows in flight before `push` waits for replies: enough 1000-row INSERTs
+/// to keep the apply backend busy, few enough that memory stays flat in
+/// transaction size.
+const ROW_WINDOW: u64 = 20_000;
+
 type OpFuture = Pin<Box<dyn Future<Output = (OpMeta, Result<u64, tokio_postgres::Error>)> + Send>>;
 
 /// A remote transaction whose local commit succeeded.
@@ -75,6 +80,10 @@ pub struct Pipeline {
     /// `inflight`'s length, readable through `&self`.
     count: usize,
     window: usize,
+    /// Rows of the row statements in flight: their parameters are held
+    /// until answered. The statement window alone let a 1M-row transaction
+    /// in 1000-row INSERTs be in flight whole (agent RSS 58 -> 212 MB).
+    rows_in_flight: u64,
     rows: u64,
     /// Orphans logged by the transaction being settled, by relation.
     orphans: Vec<(&'static str, Arc<str>)>,
@@ -91,6 +100,7 @@ impl Pipeline {
             inflight: SyncWrapper::new(FuturesOrdered::new()),
             count: 0,
             window,
+            rows_in_flight: 0,
             rows: 0,
             orphans: Vec::new(),
             done: VecDeque::new(),
@@ -137,6 +147,7 @@ impl Pipeline {
     ) -> Result<(), ApplyFailure> {
         let client = Arc::clone(&self.client);
         let stmt = stmt.clone();
+        self.rows_in_flight += meta.rows;
         let mut fut: OpFuture = Box::pin(async move {
             let r = client.execute_raw(&stmt, params).await;
             (meta, r)
@@ -156,6 +167,11 @@ impl Pipeline {
         if self.count > self.window {
             self.settle(self.window / 2).await?;
         }
+        if self.rows_in_flight > ROW_WINDOW {
+            while self.rows_in_flight > ROW_WINDOW / 2 && self.count > 0 {
+                self.settle(self.count - 1).await?;
+            }
+        }
         Ok(())
     }
 
@@ -169,6 +185,7 @@ impl Pipeline {
             let Some((meta, res)) = next else {
                 break;
             };
+            self.rows_in_flight = self.rows_in_flight.saturating_sub(meta.rows);
             match res {
                 Ok(n) if meta.kind == OpKind::OrphanCheck => {
                     if n > 0
@@ -224,6 +241,7 @@ impl Pipeline {
         while self.inflight.get_mut().next().await.is_some() {}
         self.guards.clear();
         self.count = 0;
+        self.rows_in_flight = 0;
         self.rows = 0;
         self.orphans.clear();
     }
