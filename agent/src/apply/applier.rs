@@ -560,7 +560,11 @@ impl Applier {
         }
     }
 
-    async fn queue_fast(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
+    pub(super) async fn queue_fast(
+        &mut self,
+        meta: &TxnMeta,
+        body: &TxnBody,
+    ) -> Result<(), ApplyFailure> {
         let guard = self.enter_gate().await.map_err(|mut f| {
             f.txn.get_or_insert(*meta);
             f
@@ -659,7 +663,7 @@ impl Applier {
     /// Returns the queued transactions that did not commit, in order (taken
     /// out of the queue), and sets the progress the first of them expects.
     #[allow(clippy::type_complexity)]
-    async fn roll_back_pipeline(
+    pub(super) async fn roll_back_pipeline(
         &mut self,
     ) -> Result<VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>, ApplyFailure> {
         let mut pipe = self.take_pipe()?;

@@ -99,6 +99,29 @@ impl Applier {
         }
     }
 
+    /// Gives up applying the transaction while it arrives: rolls its part
+    /// back, which lets go of the gate and its row locks; it is applied
+    /// whole at its COMMIT. For a publisher that stops sending in the
+    /// middle (a partition, a stalled walsender): the gate is shared by
+    /// every stream into this node, and their careful transactions must not
+    /// wait on a network they do not use.
+    pub async fn abandon_early(&mut self) -> Result<(), ApplyFailure> {
+        if self.early.is_none() {
+            return Ok(());
+        }
+        let latest = Arc::clone(&self.wm);
+        // Empty: everything before it was settled when it began
+        // (`begin_early`); queued again all the same if not.
+        let pending = self.roll_back_pipeline().await?;
+        for (m, b, w) in pending {
+            self.wm = Arc::clone(&w);
+            self.queued.push_back((m, Arc::clone(&b), w));
+            self.queue_fast(&m, &b).await?;
+        }
+        self.wm = latest;
+        Ok(())
+    }
+
     /// A conflict while the transaction arrives: everything before it is
     /// committed, so rolling back loses only its own part, applied whole
     /// at its COMMIT.

@@ -16,7 +16,7 @@ mod supervisor;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use mm_proto::Lsn;
@@ -283,6 +283,9 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 continue;
             }
             _ = ticker.tick() => {
+                if let Some(open) = current.as_mut() {
+                    abandon_idle_early(&mut applier, &pname, open).await?;
+                }
                 let idle = current.is_none();
                 send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
                 finished(&mut applier, local, &pname, &mut progress);
@@ -530,8 +533,11 @@ struct OpenTxn {
     /// Applied while it arrives (`apply/early.rs`): the messages received
     /// since the last part was queued.
     early: Option<Vec<Message>>,
-    /// The applier declined to begin it early: it waits for its COMMIT.
+    /// The applier declined to begin it early, or gave it up: it waits
+    /// for its COMMIT.
     early_declined: bool,
+    /// When its last message arrived while applied early.
+    last_at: Instant,
 }
 
 impl OpenTxn {
@@ -544,12 +550,14 @@ impl OpenTxn {
             spilled: false,
             early: None,
             early_declined: false,
+            last_at: Instant::now(),
         }
     }
 
     fn push(&mut self, m: Message, raw: Bytes, spool: &mut Spool) -> std::io::Result<()> {
         let xid = self.begin.xid;
         if let Some(part) = self.early.as_mut() {
+            self.last_at = Instant::now();
             // Values are shared `Bytes`: the clone copies no row data.
             part.push(m.clone());
         }
@@ -577,6 +585,29 @@ impl OpenTxn {
 const EARLY_AT: usize = 256 << 10;
 const EARLY_PART: usize = 2000;
 
+/// A transaction applied while it arrives whose publisher sent nothing for
+/// this long is rolled back here and applied at its COMMIT instead: it
+/// holds the node's apply gate and its rows' locks while it waits.
+const EARLY_IDLE: Duration = Duration::from_secs(2);
+
+async fn abandon_idle_early(
+    applier: &mut Applier,
+    peer: &str,
+    open: &mut OpenTxn,
+) -> Result<(), StreamError> {
+    if open.early.is_none() || open.last_at.elapsed() < EARLY_IDLE {
+        return Ok(());
+    }
+    warn!(xid = open.begin.xid, commit_lsn = %open.begin.final_lsn,
+        "the publisher stopped sending a transaction being applied while it arrived: rolled back here, applied at its COMMIT");
+    open.early = None;
+    open.early_declined = true;
+    applier
+        .abandon_early()
+        .await
+        .map_err(|f| apply_err(peer, None, f))
+}
+
 /// Begins applying `open` before its COMMIT once it is big enough
 /// (`apply/early.rs`), then queues each further part.
 async fn apply_early(
@@ -584,6 +615,12 @@ async fn apply_early(
     peer: &str,
     open: &mut OpenTxn,
 ) -> Result<(), StreamError> {
+    // Called for every change received: the common answers first.
+    match &open.early {
+        None if open.early_declined || open.spilled || open.bytes < EARLY_AT => return Ok(()),
+        Some(part) if part.len() < EARLY_PART => return Ok(()),
+        _ => {}
+    }
     let meta = TxnMeta {
         xid: open.begin.xid,
         commit_lsn: open.begin.final_lsn,
@@ -594,19 +631,16 @@ async fn apply_early(
     let err = |f| apply_err(peer, Some(&meta), f);
     let part = match open.early.as_mut() {
         None => {
-            if open.early_declined || open.spilled || open.bytes < EARLY_AT {
-                return Ok(());
-            }
             if !applier.begin_early(&meta).await.map_err(err)? {
                 open.early_declined = true;
                 return Ok(());
             }
             debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, "applying a large transaction while it arrives");
             open.early = Some(Vec::new());
+            open.last_at = Instant::now();
             open.msgs.clone()
         }
-        Some(part) if part.len() >= EARLY_PART => std::mem::take(part),
-        Some(_) => return Ok(()),
+        Some(part) => std::mem::take(part),
     };
     applier.queue_early(part).await.map_err(err)
 }
