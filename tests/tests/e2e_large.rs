@@ -133,18 +133,36 @@ async fn a_large_transaction_sent_after_commit_is_applied_with_bounded_memory() 
 /// once, and the conflict is logged where it was met.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_inside_a_transaction_applied_while_it_arrives_is_resolved() -> Result<()> {
+    conflict_inside_an_early_transaction("1GB", ["el1", "el2"], false).await
+}
+
+/// The same with a transaction the publisher streams before its commit:
+/// applied from its first segment with its commit timestamp not known
+/// yet, it is rolled back at the conflict and applied from the spool at
+/// its STREAM COMMIT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_inside_a_streamed_transaction_applied_while_it_arrives_is_resolved()
+-> Result<()> {
+    conflict_inside_an_early_transaction("1MB", ["es1", "es2"], true).await
+}
+
+async fn conflict_inside_an_early_transaction(
+    work_mem: &str,
+    names: [&str; 2],
+    streamed: bool,
+) -> Result<()> {
     mm_tests::init_tracing();
-    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1GB");
-    let c = TestCluster::start_with(&["el1", "el2"], SCHEMA, opts).await?;
-    c.pause("el1", "el2").await?;
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", work_mem);
+    let c = TestCluster::start_with(&names, SCHEMA, opts).await?;
+    c.pause(names[0], names[1]).await?;
     c.pg[0]
         .execute("INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 20000) g")
         .await?;
     // Newer than the 20k-row transaction: it wins on both nodes.
     c.pg[1]
-        .execute("INSERT INTO big VALUES (15000, 'written on el2 later')")
+        .execute("INSERT INTO big VALUES (15000, 'written on the subscriber later')")
         .await?;
-    c.resume("el1", "el2").await?;
+    c.resume(names[0], names[1]).await?;
     c.wait_sync(180).await?;
     c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
         .await?;
@@ -153,7 +171,7 @@ async fn a_conflict_inside_a_transaction_applied_while_it_arrives_is_resolved() 
             .query_one_string("SELECT payload FROM big WHERE id = 15000")
             .await?;
         anyhow::ensure!(
-            got.as_deref() == Some("written on el2 later"),
+            got.as_deref() == Some("written on the subscriber later"),
             "node {i}: row 15000 is {got:?}"
         );
         let n = c.pg[i].query_one_string("SELECT count(*) FROM big").await?;
@@ -166,7 +184,87 @@ async fn a_conflict_inside_a_transaction_applied_while_it_arrives_is_resolved() 
         .await?;
     anyhow::ensure!(
         logged.as_deref() == Some("1"),
-        "el2's conflict log: {logged:?}"
+        "the subscriber's conflict log: {logged:?}"
+    );
+    let s = c.stream_status(names[0], names[1]).await?;
+    let sent = s
+        .get("streamed_bytes")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0);
+    anyhow::ensure!((sent > 0) == streamed, "streamed or not as configured: {s}");
+    Ok(())
+}
+
+/// Transactions the publisher streams before their commit are applied
+/// from their first segment, not after the commit (a 1M-row one took
+/// twice native's time): a plain one, one with a released savepoint, then
+/// one with a subtransaction rolled back after it was streamed (what was
+/// applied of it must go: it is given up and applied from the spool) and
+/// one interleaved with transactions that commit while it runs (they must
+/// commit here first: it is given up as well). Every row arrives exactly
+/// once, in the same state on both nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_transactions_are_applied_while_they_arrive() -> Result<()> {
+    mm_tests::init_tracing();
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1MB");
+    let c = TestCluster::start_with(&["sa1", "sa2"], SCHEMA, opts).await?;
+    let early = |s: &serde_json::Value| s.get("early_txns").and_then(|v| v.as_u64()).unwrap_or(0);
+    c.pause("sa1", "sa2").await?;
+    c.pg[0]
+        .execute(
+            "BEGIN; INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 60000) g; \
+             SAVEPOINT a; INSERT INTO big SELECT g, 'released' FROM generate_series(60001, 70000) g; RELEASE a; \
+             INSERT INTO big SELECT g, md5(g::text) FROM generate_series(70001, 100000) g; COMMIT",
+        )
+        .await?;
+    c.resume("sa1", "sa2").await?;
+    c.wait_sync(180).await?;
+    let s = c.stream_status("sa1", "sa2").await?;
+    anyhow::ensure!(early(&s) == 1, "not applied while it arrived: {s}");
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+
+    c.pause("sa1", "sa2").await?;
+    c.pg[0]
+        .execute(
+            "BEGIN; INSERT INTO big SELECT g, md5(g::text) FROM generate_series(100001, 150000) g; \
+             SAVEPOINT b; INSERT INTO big SELECT g, 'rolled back' FROM generate_series(150001, 170000) g; ROLLBACK TO b; \
+             INSERT INTO big SELECT g, md5(g::text) FROM generate_series(170001, 180000) g; COMMIT",
+        )
+        .await?;
+    let a = c.pg[0].connect().await?;
+    a.batch_execute(
+        "BEGIN; INSERT INTO big SELECT g, md5(g::text) FROM generate_series(200001, 250000) g",
+    )
+    .await?;
+    for i in 0..5 {
+        c.pg[0]
+            .execute(&format!(
+                "INSERT INTO big VALUES ({}, 'committed meanwhile')",
+                300001 + i
+            ))
+            .await?;
+    }
+    a.batch_execute(
+        "INSERT INTO big SELECT g, md5(g::text) FROM generate_series(250001, 300000) g; COMMIT",
+    )
+    .await?;
+    c.resume("sa1", "sa2").await?;
+    c.wait_sync(180).await?;
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+    for i in 0..2 {
+        let n = c.pg[i]
+            .query_one_string(
+                "SELECT count(*) || ' ' || count(*) FILTER (WHERE payload = 'rolled back') FROM big",
+            )
+            .await?;
+        anyhow::ensure!(n.as_deref() == Some("260005 0"), "node {i}: {n:?}");
+    }
+    let s = c.stream_status("sa1", "sa2").await?;
+    anyhow::ensure!(
+        early(&s) == 1,
+        "given up for the rolled-back subtransaction and the interleaving: {s}"
     );
     Ok(())
 }

@@ -48,6 +48,29 @@ pub struct TxnMeta {
     pub commit_ts: PgTimestamp,
 }
 
+impl TxnMeta {
+    /// A streamed transaction applied before its STREAM COMMIT arrived
+    /// (`early.rs`): its commit LSN, end and timestamp are not known yet.
+    /// The timestamp stands at `-infinity`, which makes every fast-path
+    /// check that compares it conservative: an older local version from
+    /// another origin is never taken as routine (`mm.routine`), any
+    /// truncate counts as newer (`mm.insert_recheck`); such a change is
+    /// sent to the resolver, at the commit, with the real timestamp.
+    pub fn streaming(xid: u32) -> TxnMeta {
+        TxnMeta {
+            xid,
+            commit_lsn: Lsn::INVALID,
+            end_lsn: Lsn::INVALID,
+            commit_ts: PgTimestamp::NEG_INFINITY,
+        }
+    }
+
+    /// False while a streamed transaction is applied before its commit.
+    pub fn commit_known(&self) -> bool {
+        self.commit_ts != PgTimestamp::NEG_INFINITY
+    }
+}
+
 /// Where a transaction's messages come from: memory for ordinary transactions,
 /// the spool file for streamed ones.
 pub trait ChangeSource: Send {
@@ -770,6 +793,20 @@ impl Applier {
                     self.note_fk(d.relation_oid, None, Some(&d.old))?;
                     self.delete(pipe, txn, &guard, d, None).await?
                 }
+                // A truncate's version is its commit timestamp: it wins over
+                // older rows only. Unknown yet: applied at the commit.
+                Message::Truncate(_) if !txn.commit_known() => {
+                    return Err(ApplyFailure::to_careful(
+                        None,
+                        "a truncate before its commit",
+                    ));
+                }
+                Message::Message(m) if !txn.commit_known() && is_partition_truncate(&m) => {
+                    return Err(ApplyFailure::to_careful(
+                        None,
+                        "a truncate before its commit",
+                    ));
+                }
                 Message::Truncate(t) => self.truncate(pipe, txn, t).await?,
                 Message::Message(m) if super::compensation::is_compensation(&m) => {
                     return Err(ApplyFailure::to_careful(None, "a compensating delete"));
@@ -1188,12 +1225,22 @@ impl Applier {
         // (its stream lags): then the local value is not the publisher's,
         // and the later change would lose to this one here but not there.
         // Take the values from the publisher instead (`fetch_unchanged`).
-        if let Some(ts) = txn.commit_ts.to_datetime()
-            && upd
-                .new
+        // Whether to depends on the commit timestamp: when it is not known
+        // yet, the change is applied at the commit.
+        let unchanged = |u: &Update| {
+            u.new
                 .columns
                 .iter()
                 .any(|c| matches!(c, ColumnValue::UnchangedToast))
+        };
+        if !txn.commit_known() && unchanged(&upd) {
+            return Err(ApplyFailure::to_careful(
+                None,
+                "unchanged TOAST before the commit",
+            ));
+        }
+        if let Some(ts) = txn.commit_ts.to_datetime()
+            && unchanged(&upd)
             && self.base_may_be_stale(ts)
             && let super::careful::OriginRow::Fetched(full) =
                 self.fetch_unchanged(upd.relation_oid, &upd.new, ts).await?

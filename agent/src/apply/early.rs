@@ -11,6 +11,19 @@
 //! `stream::OpenTxn`), its changes are queued in parts as they arrive,
 //! into one open local transaction.
 //!
+//! A transaction the publisher streams before it commits (larger than its
+//! `logical_decoding_work_mem`) is applied the same way from its first
+//! segment (`stream::StreamedEarly`), with what is not known yet standing
+//! in (`TxnMeta::streaming`): no commit LSN, and a commit timestamp of
+//! `-infinity`, under which the fast path's checks only pass changes whose
+//! outcome cannot depend on the real timestamp (rows of this publisher or
+//! without history, new keys with no tombstone and no truncate). Any other
+//! change, and anything that fails, rolls the early part back; the
+//! transaction is then applied whole from the spool at its STREAM COMMIT,
+//! where a failure names its real commit LSN. The stream gives up early
+//! apply as soon as anything else must commit first (another
+//! transaction's BEGIN or segment) or a subtransaction aborts.
+//!
 //! Invariants, as for `Applier::apply`:
 //! - Nothing commits before the COMMIT arrives: the progress record and
 //!   COMMIT are only queued by `commit_early`.
@@ -74,7 +87,14 @@ impl Applier {
         body: TxnBody,
         rest: Vec<Message>,
     ) -> Result<bool, ApplyFailure> {
-        if self.early.is_none_or(|e| e.commit_lsn != meta.commit_lsn) {
+        let mine = self.early.is_some_and(|e| {
+            e.xid == meta.xid && (!e.commit_known() || e.commit_lsn == meta.commit_lsn)
+        });
+        if mine && self.skips.contains(&meta.commit_lsn) {
+            // Known to be skipped only now (a streamed one): not applied.
+            self.abandon_early().await?;
+        }
+        if !mine || self.early.is_none() {
             return self.apply(meta, body).await.map(|()| false);
         }
         self.early = None;
@@ -122,9 +142,17 @@ impl Applier {
         Ok(())
     }
 
+    /// Whether a transaction is being applied while it arrives: false once
+    /// a conflict or failure rolled it back.
+    pub fn is_early(&self) -> bool {
+        self.early.is_some()
+    }
+
     /// A conflict while the transaction arrives: everything before it is
     /// committed, so rolling back loses only its own part, applied whole
-    /// at its COMMIT.
+    /// at its COMMIT. So does any failure of a streamed one, whose commit
+    /// LSN (what an error names, what `mmctl skip` takes) is not known yet:
+    /// applied whole, it fails again with it.
     async fn early_result(
         &mut self,
         r: Result<(), ApplyFailure>,
@@ -132,12 +160,25 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         match r {
             Ok(()) => Ok(()),
-            Err(f) if f.conflict => {
-                tracing::debug!(commit_lsn = %meta.commit_lsn, "conflict while the transaction arrives: applying it at its COMMIT");
-                self.recover(with_txn(f, meta)).await
+            Err(f) => {
+                tracing::debug!(xid = meta.xid, error = %f, "met while the transaction arrives");
+                self.resolve_failure(with_txn(f, meta)).await
             }
-            Err(f) => Err(with_txn(f, meta)),
         }
+    }
+
+    /// A failure met in the pipeline: a conflict is resolved (`recover`);
+    /// any other failure of a streamed transaction applied before its
+    /// commit rolls that part back (applied whole at the commit, it fails
+    /// again naming its commit LSN); the rest is the stream's error.
+    pub async fn resolve_failure(&mut self, f: ApplyFailure) -> Result<(), ApplyFailure> {
+        if f.conflict {
+            return self.recover(f).await;
+        }
+        if f.txn.is_some_and(|t| !t.commit_known()) {
+            return self.abandon_early().await;
+        }
+        Err(f)
     }
 }
 

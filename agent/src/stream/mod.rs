@@ -10,6 +10,7 @@
 //! only when every applied transaction is already durable. The publisher
 //! therefore never discards a change we could still lose.
 
+mod early;
 pub mod names;
 mod spool;
 mod supervisor;
@@ -29,6 +30,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, InMemory, TxnBody, TxnMeta};
 use crate::status::StatusRegistry;
 use crate::watermark::{self, Announcement};
+use early::{StreamedEarly, abandon_idle_early, abandon_streamed, apply_early};
 use spool::Spool;
 
 pub use supervisor::{StreamHandle, spawn_stream};
@@ -265,17 +267,32 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     // The ordinary (non-streamed) transaction being received.
     let mut current: Option<OpenTxn> = None;
     let mut stream_xid: Option<u32> = None;
+    // The streamed transaction applied while it arrives (`early.rs`), and
+    // the publisher's watermark announcement that arrived meanwhile: it
+    // takes effect after that transaction (installing it settles the
+    // session, which holds that transaction open).
+    let mut streamed_early: Option<StreamedEarly> = None;
+    let mut deferred_announcement: Option<Announcement> = None;
     let mut ticker = tokio::time::interval(FEEDBACK_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
+        // A conflict or failure rolled it back: applied at its commit.
+        if streamed_early.is_some() && !applier.is_early() {
+            streamed_early = None;
+        }
+        if streamed_early.is_none()
+            && let Some(a) = deferred_announcement.take()
+        {
+            announce(&mut applier, local, &pname, &mut progress, a).await?;
+        }
         let msg = tokio::select! {
             m = stream.next() => m,
             // Replies of pipelined transactions, consumed as they come so
             // status and wait-sync see commits promptly.
             r = applier.settle_next(), if applier.in_flight() > 0 => {
                 match r {
-                    Err(f) if f.conflict => applier.recover(f).await,
+                    Err(f) => applier.resolve_failure(f).await,
                     r => r,
                 }
                 .map_err(|f| apply_err(&pname, None, f))?;
@@ -285,6 +302,11 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             _ = ticker.tick() => {
                 if let Some(open) = current.as_mut() {
                     abandon_idle_early(&mut applier, &pname, open).await?;
+                }
+                if streamed_early.as_ref().is_some_and(StreamedEarly::idle) {
+                    warn!(xid = streamed_early.as_ref().map_or(0, |e| e.xid),
+                        "the publisher stopped sending a streamed transaction being applied while it arrived: rolled back here, applied at its commit");
+                    abandon_streamed(&mut applier, &pname, &mut streamed_early, "idle").await?;
                 }
                 let idle = current.is_none();
                 send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
@@ -352,6 +374,14 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         if current.is_some() {
                             return Err(proto_err("BEGIN inside an open transaction".into()));
                         }
+                        // It committed first on the publisher: it must here too.
+                        abandon_streamed(
+                            &mut applier,
+                            &pname,
+                            &mut streamed_early,
+                            "a transaction committed before it",
+                        )
+                        .await?;
                         current = Some(OpenTxn::new(b));
                     }
                     Message::Commit(c) => {
@@ -395,11 +425,28 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         finished(&mut applier, local, &pname, &mut progress);
                     }
                     Message::StreamStart(s) => {
+                        if streamed_early.as_ref().is_some_and(|e| e.xid != s.xid) {
+                            // It may commit first.
+                            abandon_streamed(
+                                &mut applier,
+                                &pname,
+                                &mut streamed_early,
+                                "another streamed transaction",
+                            )
+                            .await?;
+                        }
                         if s.first_segment {
                             debug!(
                                 xid = s.xid,
                                 "streaming an in-progress transaction to the spool"
                             );
+                            if streamed_early.is_none()
+                                && current.is_none()
+                                && spool.streams_open() == 0
+                            {
+                                streamed_early =
+                                    StreamedEarly::begin(&mut applier, &pname, s.xid).await?;
+                            }
                         }
                         stream_xid = Some(s.xid);
                     }
@@ -421,17 +468,42 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                             Some(r) => Arc::new(r),
                             None => Arc::new(InMemory(Arc::new(Vec::new()))),
                         };
-                        apply_one(&mut applier, &pname, &meta, body).await?;
+                        match streamed_early.take_if(|e| e.xid == c.xid) {
+                            Some(e) => {
+                                let was = applier
+                                    .commit_early(&meta, body, e.rest())
+                                    .await
+                                    .map_err(|f| apply_err(&pname, Some(&meta), f))?;
+                                if was {
+                                    status.update(&pname, |s| s.early_txns += 1);
+                                }
+                            }
+                            None => apply_one(&mut applier, &pname, &meta, body).await?,
+                        }
                         progress.last_queued = meta.end_lsn;
                         finished(&mut applier, local, &pname, &mut progress);
                     }
                     Message::StreamAbort(a) => {
-                        spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
-                            StreamError::Spool {
-                                peer: pname.clone(),
-                                source,
-                            }
-                        })?;
+                        let discarded =
+                            spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
+                                StreamError::Spool {
+                                    peer: pname.clone(),
+                                    source,
+                                }
+                            })?;
+                        // Applied changes of it are gone on the publisher:
+                        // the spool without them is applied at the commit.
+                        if streamed_early.as_ref().is_some_and(|e| e.xid == a.xid)
+                            && (discarded || a.xid == a.subtransaction_xid)
+                        {
+                            abandon_streamed(
+                                &mut applier,
+                                &pname,
+                                &mut streamed_early,
+                                "aborted in part",
+                            )
+                            .await?;
+                        }
                     }
                     Message::Relation(r) if stream_xid.is_some() => {
                         // Like PostgreSQL's apply worker: update the relation map
@@ -439,6 +511,15 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         let xid = stream_xid.unwrap_or_default();
                         let sub = r.xid.unwrap_or(xid);
                         spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
+                        // In order with its changes queued so far.
+                        if let Some(e) = streamed_early.as_mut().filter(|e| e.xid == xid) {
+                            e.push(&mut applier, &pname, Message::Relation(r.clone()))
+                                .await?;
+                            e.flush(&mut applier, &pname).await?;
+                            if applier.is_early() {
+                                continue;
+                            }
+                        }
                         applier
                             .relation(r)
                             .await
@@ -453,21 +534,20 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                         let xid = stream_xid.unwrap_or_default();
                         let sub = other.stream_xid().unwrap_or(xid);
                         spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
+                        if let Some(e) = streamed_early.as_mut().filter(|e| e.xid == xid) {
+                            e.push(&mut applier, &pname, other).await?;
+                        }
                     }
                     Message::Relation(r) if current.is_none() => {
                         applier.relation(r).await.map_err(local_err)?;
                     }
                     Message::Message(m) if current.is_none() && m.prefix == watermark::PREFIX => {
                         match Announcement::decode(&m.content) {
+                            Ok(a) if a.node == peer.name && streamed_early.is_some() => {
+                                deferred_announcement = Some(a);
+                            }
                             Ok(a) if a.node == peer.name => {
-                                // Settles what is queued first: a failure
-                                // there names its transaction.
-                                applier
-                                    .set_watermarks(a.applied.clone())
-                                    .await
-                                    .map_err(|f| failure_err(&pname, f))?;
-                                progress.pending_watermark = Some((progress.last_queued, a));
-                                finished(&mut applier, local, &pname, &mut progress);
+                                announce(&mut applier, local, &pname, &mut progress, a).await?;
                             }
                             // Relayed or foreign: not this publisher's word.
                             Ok(_) => {}
@@ -578,71 +658,22 @@ impl OpenTxn {
     }
 }
 
-/// A transaction this big (bytes of messages, below `SPILL_AT` so its
-/// first messages are still in memory) is applied while it arrives, in
-/// parts of `EARLY_PART` messages: smaller ones gain nothing from it, and
-/// many of them are single rows that go out as one statement at COMMIT.
-const EARLY_AT: usize = 256 << 10;
-const EARLY_PART: usize = 2000;
-
-/// A transaction applied while it arrives whose publisher sent nothing for
-/// this long is rolled back here and applied at its COMMIT instead: it
-/// holds the node's apply gate and its rows' locks while it waits.
-const EARLY_IDLE: Duration = Duration::from_secs(2);
-
-async fn abandon_idle_early(
+/// The publisher's watermark, effective from the next transaction on.
+async fn announce(
     applier: &mut Applier,
+    local: &LocalNode,
     peer: &str,
-    open: &mut OpenTxn,
+    progress: &mut Progress,
+    a: Announcement,
 ) -> Result<(), StreamError> {
-    if open.early.is_none() || open.last_at.elapsed() < EARLY_IDLE {
-        return Ok(());
-    }
-    warn!(xid = open.begin.xid, commit_lsn = %open.begin.final_lsn,
-        "the publisher stopped sending a transaction being applied while it arrived: rolled back here, applied at its COMMIT");
-    open.early = None;
-    open.early_declined = true;
+    // Settles what is queued first: a failure there names its transaction.
     applier
-        .abandon_early()
+        .set_watermarks(a.applied.clone())
         .await
-        .map_err(|f| apply_err(peer, None, f))
-}
-
-/// Begins applying `open` before its COMMIT once it is big enough
-/// (`apply/early.rs`), then queues each further part.
-async fn apply_early(
-    applier: &mut Applier,
-    peer: &str,
-    open: &mut OpenTxn,
-) -> Result<(), StreamError> {
-    // Called for every change received: the common answers first.
-    match &open.early {
-        None if open.early_declined || open.spilled || open.bytes < EARLY_AT => return Ok(()),
-        Some(part) if part.len() < EARLY_PART => return Ok(()),
-        _ => {}
-    }
-    let meta = TxnMeta {
-        xid: open.begin.xid,
-        commit_lsn: open.begin.final_lsn,
-        // Not known before COMMIT; what failures name until then.
-        end_lsn: open.begin.final_lsn,
-        commit_ts: open.begin.commit_timestamp,
-    };
-    let err = |f| apply_err(peer, Some(&meta), f);
-    let part = match open.early.as_mut() {
-        None => {
-            if !applier.begin_early(&meta).await.map_err(err)? {
-                open.early_declined = true;
-                return Ok(());
-            }
-            debug!(xid = meta.xid, commit_lsn = %meta.commit_lsn, "applying a large transaction while it arrives");
-            open.early = Some(Vec::new());
-            open.last_at = Instant::now();
-            open.msgs.clone()
-        }
-        Some(part) => std::mem::take(part),
-    };
-    applier.queue_early(part).await.map_err(err)
+        .map_err(|f| failure_err(peer, f))?;
+    progress.pending_watermark = Some((progress.last_queued, a));
+    finished(applier, local, peer, progress);
+    Ok(())
 }
 
 fn spool_append(

@@ -100,21 +100,23 @@ impl Spool {
         Ok(())
     }
 
-    /// STREAM ABORT: the whole transaction (`subxid == xid`) or one subtransaction.
-    pub fn abort(&mut self, xid: u32, subxid: u32) -> io::Result<()> {
+    /// STREAM ABORT: the whole transaction (`subxid == xid`) or one
+    /// subtransaction. True when it discarded messages received.
+    pub fn abort(&mut self, xid: u32, subxid: u32) -> io::Result<bool> {
         if subxid == xid {
             if let Some(f) = self.open.remove(&xid) {
                 drop(f.writer);
                 std::fs::remove_file(&f.path)?;
+                return Ok(true);
             }
-            return Ok(());
+            return Ok(false);
         }
         let Some(f) = self.open.get_mut(&xid) else {
-            return Ok(());
+            return Ok(false);
         };
         let Some(pos) = f.subxacts.iter().position(|(s, _)| *s == subxid) else {
             // The subtransaction made no changes we received.
-            return Ok(());
+            return Ok(false);
         };
         let offset = f.subxacts[pos].1;
         f.subxacts.truncate(pos);
@@ -124,7 +126,12 @@ impl Spool {
         use std::io::Seek;
         f.writer.get_mut().seek(io::SeekFrom::Start(offset))?;
         f.len = offset;
-        Ok(())
+        Ok(true)
+    }
+
+    /// How many streamed transactions have chunks here and no end yet.
+    pub fn streams_open(&self) -> usize {
+        self.open.values().filter(|f| f.streamed).count()
     }
 
     /// STREAM COMMIT: hands out the transaction's changes for applying. `None`
