@@ -268,3 +268,83 @@ async fn streamed_transactions_are_applied_while_they_arrive() -> Result<()> {
     );
     Ok(())
 }
+
+fn lsn(s: &str) -> Result<u64> {
+    let (hi, lo) = s
+        .split_once('/')
+        .ok_or_else(|| anyhow::anyhow!("not an LSN: {s}"))?;
+    Ok((u64::from_str_radix(hi, 16)? << 32) | u64::from_str_radix(lo, 16)?)
+}
+
+/// A streamed transaction that cannot be applied here (a value the local
+/// column type refuses, in its middle) fails while it is applied before its
+/// commit, when its commit LSN is not known yet. The stream must still stop
+/// naming the real one (what `mmctl skip` takes), and apply the whole
+/// transaction once the table is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_that_fails_names_its_commit_lsn() -> Result<()> {
+    mm_tests::init_tracing();
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1MB");
+    let c = TestCluster::start_with(&["sf1", "sf2"], SCHEMA, opts).await?;
+    c.pg[0]
+        .execute("CREATE TABLE typed (id int PRIMARY KEY, d text)")
+        .await?;
+    c.pg[1]
+        .execute("CREATE TABLE typed (id int PRIMARY KEY, d date)")
+        .await?;
+    c.pause("sf1", "sf2").await?;
+    let wal = "SELECT pg_current_wal_lsn()::text";
+    let before = c.pg[0].query_one_string(wal).await?.unwrap_or_default();
+    c.pg[0]
+        .execute(
+            "BEGIN; INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 60000) g; \
+             INSERT INTO typed VALUES (1, 'not a date'); \
+             INSERT INTO big SELECT g, md5(g::text) FROM generate_series(60001, 80000) g; COMMIT",
+        )
+        .await?;
+    let after = c.pg[0].query_one_string(wal).await?.unwrap_or_default();
+    c.resume("sf1", "sf2").await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (stuck, s) = loop {
+        let s = c.stream_status("sf1", "sf2").await?;
+        if let Some(l) = s.get("stuck_lsn").and_then(|v| v.as_str()) {
+            break (l.to_owned(), s);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "never stopped: {s}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    anyhow::ensure!(
+        lsn(&before)? < lsn(&stuck)? && lsn(&stuck)? <= lsn(&after)?,
+        "stuck at {stuck}, not at the transaction's commit (between {before} and {after}): {s}"
+    );
+    let err = s
+        .get("last_error")
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    anyhow::ensure!(
+        err.contains("typed"),
+        "the error does not name the table: {s}"
+    );
+    assert_eq!(
+        c.rows(1, "SELECT count(*) FROM big").await?[0][0].as_deref(),
+        Some("0")
+    );
+    c.pg[1]
+        .execute("ALTER TABLE typed ALTER COLUMN d TYPE text")
+        .await?;
+    // The stream retries the same transaction (backoff), now applicable.
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM big",
+        "80000",
+        Duration::from_secs(120),
+    )
+    .await?;
+    c.wait_sync(120).await?;
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+    c.assert_same("SELECT * FROM typed").await?;
+    let n = c.pg[1].query_one_string("SELECT count(*) FROM big").await?;
+    anyhow::ensure!(n.as_deref() == Some("80000"), "{n:?}");
+    Ok(())
+}
