@@ -348,3 +348,65 @@ async fn a_streamed_transaction_that_fails_names_its_commit_lsn() -> Result<()> 
     anyhow::ensure!(n.as_deref() == Some("80000"), "{n:?}");
     Ok(())
 }
+
+/// A streamed transaction applied while it arrives holds a local
+/// transaction open, with its rows' locks and the node's apply gate. When
+/// its publisher stops sending (here: the transaction stays open there),
+/// it must not hold them for as long: after 2 s of silence it is rolled
+/// back here, and applied from the spool at its commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_whose_publisher_falls_silent_is_rolled_back_here() -> Result<()> {
+    mm_tests::init_tracing();
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1MB");
+    let c = TestCluster::start_with(&["si1", "si2"], SCHEMA, opts).await?;
+    // The apply session's transaction, whether it runs a statement or waits.
+    let open_here = "SELECT count(*) FROM pg_stat_activity \
+                     WHERE application_name = 'mm-agent' AND backend_xid IS NOT NULL";
+    let client = c.pg[0].connect().await?;
+    client
+        .batch_execute(
+            "BEGIN; INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 100000) g",
+        )
+        .await?;
+    // Applied while it arrives: an open local transaction with rows in it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.pg[1].query_one_string(open_here).await?.as_deref() != Some("1") {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "never applied while it arrived: {}",
+            c.stream_status("si1", "si2").await?
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Silence: rolled back after 2 s (and seen gone for a whole second).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut gone = 0;
+    while gone < 5 {
+        gone = match c.pg[1].query_one_string(open_here).await?.as_deref() {
+            Some("0") => gone + 1,
+            _ => 0,
+        };
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "still open on si2 with its publisher silent: {}",
+            c.stream_status("si1", "si2").await?
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    client
+        .batch_execute(
+            "INSERT INTO big SELECT g, md5(g::text) FROM generate_series(100001, 100100) g; COMMIT",
+        )
+        .await?;
+    c.wait_sync(120).await?;
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+    let s = c.stream_status("si1", "si2").await?;
+    anyhow::ensure!(
+        s.get("early_txns").and_then(|v| v.as_u64()) == Some(0),
+        "committed from the early part after all: {s}"
+    );
+    let n = c.pg[1].query_one_string("SELECT count(*) FROM big").await?;
+    anyhow::ensure!(n.as_deref() == Some("100100"), "{n:?}");
+    Ok(())
+}
