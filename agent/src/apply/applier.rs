@@ -201,8 +201,10 @@ pub struct Applier {
     pub(super) streak: u32,
     pub(super) relations: HashMap<u32, LocalRelation>,
     begin: Statement,
-    advance: Statement,
-    commit: Statement,
+    /// The progress guard and COMMIT, prepared once: every transaction
+    /// ends with them, on the fast and the careful path.
+    pub(super) advance: Statement,
+    pub(super) commit: Statement,
     /// Statements sent and not yet answered, across transactions.
     pub(super) pipe: Option<Pipeline>,
     /// The progress the next queued transaction expects to find stored:

@@ -209,7 +209,7 @@ impl Applier {
                     out.conflicts.push((super::fk::ORPHAN, Arc::clone(&child)));
                 }
             }
-            let advance = self.prepared(&sql::advance_progress()).await.map_err(pg)?;
+            let (advance, commit) = (self.advance.clone(), self.commit.clone());
             let log = self.prepared(CONFLICT_LOG_INSERT).await.map_err(pg)?;
             let progress = self.progress_params(meta);
             let log_rows = std::mem::take(&mut out.log_rows);
@@ -239,7 +239,7 @@ impl Applier {
             round.push(Box::pin(async move {
                 // The query goes out at this first poll.
                 sent.store(true, std::sync::atomic::Ordering::Relaxed);
-                client.batch_execute("COMMIT").await.map(|()| 0).map_err(pg)
+                client.execute(&commit, &[]).await.map_err(pg)
             }));
             futures_util::future::try_join_all(round).await?;
             Ok(())
