@@ -31,7 +31,7 @@ pub fn render(registry: &StatusRegistry) -> String {
     let streams = registry.snapshot();
     let mut out = String::new();
     type Getter = fn(&StreamStatus) -> Option<f64>;
-    let families: [(&str, &str, &str, Getter); 10] = [
+    let families: [(&str, &str, &str, Getter); 11] = [
         (
             "mm_stream_state",
             "gauge",
@@ -85,6 +85,12 @@ pub fn render(registry: &StatusRegistry) -> String {
             "counter",
             "transactions applied while they still arrived (before their COMMIT)",
             |s| Some(s.early_txns as f64),
+        ),
+        (
+            "mm_stream_conflict_rollbacks_total",
+            "counter",
+            "fast-path attempts rolled back for a conflict before the careful path applied them",
+            |s| Some(s.conflict_rollbacks as f64),
         ),
         (
             "mm_stream_processed_lsn",

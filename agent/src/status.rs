@@ -79,6 +79,7 @@ impl StatusRegistry {
             restarts: 0,
             streamed_bytes: 0,
             early_txns: 0,
+            conflict_rollbacks: 0,
             error_kind: None,
             stuck_lsn: None,
             stuck_commit_ts: None,

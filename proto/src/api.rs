@@ -49,6 +49,11 @@ pub struct StreamStatus {
     /// and applying overlap.
     #[serde(default)]
     pub early_txns: u64,
+    /// Transactions whose fast-path attempt met a conflict and was rolled
+    /// back before the careful path applied them: what conflicts cost. Those
+    /// on a key that just conflicted skip the attempt (apply/hot.rs).
+    #[serde(default)]
+    pub conflict_rollbacks: u64,
     /// Whether the last error will go away by itself (a connection, a
     /// restart) or needs an operator (a transaction that cannot be applied).
     #[serde(default)]

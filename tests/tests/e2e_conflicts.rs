@@ -621,6 +621,118 @@ async fn lww_delete_then_later_update() -> Result<()> {
     update_vs_delete("ldu", Res::Lww, true).await
 }
 
+/// Five updates of one key from A meet B's newer update on B, one after
+/// another: five conflicts, each judged against B's row. Only the first
+/// is found by a fast-path attempt that is rolled back; the rest go to the
+/// careful path directly, their key having just conflicted (`hot.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_repeated_conflicts_on_one_key_roll_back_the_fast_path_once() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = pair("lhk");
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let mut wa = Vec::new();
+    for i in 0..5 {
+        wa.push(write(&c, 0, &format!("UPDATE t SET v = 'a{i}' WHERE id = 1")).await?);
+    }
+    let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+
+    let key = r#"{"id": 1}"#;
+    assert_rows(&c, 0, DUMP_T, &[&["1", "b"]]).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", "b"]]).await?;
+    assert_log(
+        &c,
+        1,
+        wa.iter()
+            .map(|w| {
+                logged(
+                    "update_origin_differs",
+                    "public.t",
+                    key,
+                    Some(&wb),
+                    w,
+                    "keep_local",
+                )
+            })
+            .collect(),
+    )
+    .await?;
+    assert_log(
+        &c,
+        0,
+        vec![logged(
+            "update_origin_differs",
+            "public.t",
+            key,
+            wa.last(),
+            &wb,
+            "apply_remote",
+        )],
+    )
+    .await?;
+    let s = c.stream_status(&names[0], &names[1]).await?;
+    assert_eq!(s["conflicts"]["update_origin_differs"], 5, "{s}");
+    assert_eq!(s["conflict_rollbacks"], 1, "{s}");
+    Ok(())
+}
+
+/// A careful-path write is sent without waiting for its reply
+/// (`deferred.rs`). When it fails, the error reported is its own, not the
+/// "transaction is aborted" of the statements sent behind it, and nothing
+/// of the transaction commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_careful_write_reports_its_own_error_and_commits_nothing() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = pair("lcw");
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    // Only on B: the winning update below breaks it there.
+    c.pg[1]
+        .execute("ALTER TABLE t ADD CONSTRAINT short_v CHECK (length(v) < 8)")
+        .await?;
+    pause_both(&c).await?;
+    write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    // Later than B's: it wins on B, in the careful path, and fails there.
+    write(&c, 0, "UPDATE t SET v = 'far too long' WHERE id = 1").await?;
+    c.resume(&names[0], &names[1]).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let err = loop {
+        let s = c.stream_status(&names[0], &names[1]).await?;
+        if let Some(e) = s["last_error"].as_str() {
+            break e.to_owned();
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the stream never stopped: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(
+        err.contains("short_v") && err.contains("23514") && !err.contains("25P02"),
+        "not the failed write's own error: {err}"
+    );
+    assert_rows(&c, 1, DUMP_T, &[&["1", "b"]]).await?;
+    assert_log(&c, 1, vec![]).await?;
+    // Fixed by the operator, the same transaction applies (at the
+    // stream's next retry).
+    c.pg[1]
+        .execute("ALTER TABLE t DROP CONSTRAINT short_v")
+        .await?;
+    c.wait_for(
+        1,
+        "SELECT v FROM t WHERE id = 1",
+        "far too long",
+        Duration::from_secs(60),
+    )
+    .await?;
+    c.resume(&names[1], &names[0]).await?;
+    c.wait_sync(90).await?;
+    c.assert_same(DUMP_T).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", "far too long"]]).await
+}
+
 /// An update of a row the receiving node never had (and never deleted)
 /// becomes an insert of the full new row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,7 +22,7 @@ use crate::conflict::TableResolvers;
 /// Statements in flight per transaction before we wait for replies.
 const PIPELINE_WINDOW: usize = 2048;
 /// Transactions applied one at a time after a conflict (see `apply`).
-const CONFLICT_STREAK: u32 = 64;
+pub(super) const CONFLICT_STREAK: u32 = 64;
 /// Rows per multi-row INSERT for runs of inserts into one table: large
 /// statements first, then small ones, the rest row by row (`batch_sizes`).
 /// Every statement costs the backend its setup and the insert's re-check
@@ -199,8 +199,10 @@ pub struct Applier {
     routine_taken: u64,
     /// Transactions left to apply one at a time after a conflict.
     pub(super) streak: u32,
+    /// Keys single-change transactions just met in conflict (`hot.rs`).
+    pub(super) hot: super::hot::HotKeys,
     pub(super) relations: HashMap<u32, LocalRelation>,
-    begin: Statement,
+    pub(super) begin: Statement,
     /// The progress guard and COMMIT, prepared once: every transaction
     /// ends with them, on the fast and the careful path.
     pub(super) advance: Statement,
@@ -233,6 +235,8 @@ pub struct Applier {
     pub(super) origin_client: Option<Client>,
     /// The careful path's statements by text (`careful.rs`, `prepared`).
     pub(super) careful_stmts: std::sync::Mutex<HashMap<String, Statement>>,
+    /// The careful transaction's writes not answered yet (`deferred.rs`).
+    pub(super) deferred: super::deferred::Deferred,
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -344,6 +348,7 @@ impl Applier {
             routine_careful: 0,
             routine_taken: 0,
             streak: 0,
+            hot: Default::default(),
             relations: HashMap::new(),
             begin,
             advance,
@@ -355,6 +360,7 @@ impl Applier {
             txn_open: false,
             early: None,
             careful_stmts: std::sync::Mutex::new(HashMap::new()),
+            deferred: Default::default(),
             fk_pending: Vec::new(),
             origin_client: None,
         };
@@ -572,6 +578,10 @@ impl Applier {
     pub async fn apply(&mut self, meta: &TxnMeta, body: TxnBody) -> Result<(), ApplyFailure> {
         self.queued
             .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
+        if self.streak > 0 && self.touches_hot_key(meta, &body) {
+            self.streak -= 1;
+            return self.apply_hot(meta, &body).await;
+        }
         let mut r = self.queue_fast(meta, &body).await;
         // Right after a conflict, more are likely (hot rows): wait for each
         // transaction's reply, so the next conflict rolls back only itself.
@@ -583,6 +593,40 @@ impl Applier {
             Err(f) if f.conflict => self.recover(f).await,
             r => r,
         }
+    }
+
+    /// Whether `body` is one change to a key that just conflicted.
+    fn touches_hot_key(&self, meta: &TxnMeta, body: &TxnBody) -> bool {
+        !self.skips.contains(&meta.commit_lsn)
+            && self.single_key(body).is_some_and(|k| self.hot.contains(k))
+    }
+
+    /// The key of `body`'s change when it is its only one (`hot.rs`).
+    pub(super) fn single_key(&self, body: &TxnBody) -> Option<u64> {
+        let change = body.single_change()?;
+        let oid = match &change {
+            Message::Insert(i) => i.relation_oid,
+            Message::Update(u) => u.relation_oid,
+            Message::Delete(d) => d.relation_oid,
+            _ => return None,
+        };
+        super::hot::key_of(self.relations.get(&oid)?, &change)
+    }
+
+    /// A transaction on a hot key: the careful path directly, once
+    /// everything queued before it has committed (commit order). A conflict
+    /// among those is recovered as any other, this transaction with them.
+    async fn apply_hot(&mut self, meta: &TxnMeta, body: &TxnBody) -> Result<(), ApplyFailure> {
+        match self.settle(0).await {
+            Err(f) if f.conflict => return self.recover(f).await,
+            r => r?,
+        }
+        // Nothing is in flight now; this sets the progress it expects.
+        let again = self.roll_back_pipeline().await?;
+        self.queued.extend(again);
+        self.apply_careful(meta, body, false).await?;
+        self.next_expected = meta.end_lsn;
+        Ok(())
     }
 
     pub(super) async fn queue_fast(
@@ -655,27 +699,31 @@ impl Applier {
         let mut first = true;
         // The first is the one that met the conflict; the others are applied
         // one at a time: with conflicts dense, queuing them all again would
-        // roll them all back again at the next one.
+        // roll them all back again at the next one. Those on a key that just
+        // conflicted go to the careful path without a fast attempt (`hot.rs`).
         for (m, b, w) in pending {
             self.wm = Arc::clone(&w);
             self.queued.push_back((m, Arc::clone(&b), w));
+            // Some(rolled back first): to the careful path.
             let careful = if std::mem::take(&mut first) {
-                true
+                Some(true)
+            } else if self.touches_hot_key(&m, &b) {
+                Some(false)
             } else {
                 match self.queue_fast(&m, &b).await {
                     Ok(()) => self.settle(0).await,
                     Err(f) => Err(f),
                 }
                 .map_or_else(
-                    |f| if f.conflict { Ok(true) } else { Err(f) },
-                    |()| Ok(false),
+                    |f| if f.conflict { Ok(Some(true)) } else { Err(f) },
+                    |()| Ok(None),
                 )?
             };
-            if careful {
+            if let Some(rolled_back) = careful {
                 // Only this transaction is in flight (or nothing).
                 let again = self.roll_back_pipeline().await?;
                 self.queued.extend(again);
-                self.apply_careful(&m, &b).await?;
+                self.apply_careful(&m, &b, rolled_back).await?;
                 self.next_expected = m.end_lsn;
             }
         }

@@ -64,6 +64,9 @@ const CONFLICT_LOG_INSERT: &str = "INSERT INTO mm.conflict_log (relation, confli
 /// another stream (see `apply_careful`) before the stream stops.
 const CONCURRENT_RETRIES: u32 = 8;
 
+/// Messages of a conflicting transaction whose keys are remembered as hot.
+const HOT_KEYS_PER_TXN: usize = 64;
+
 /// Careful-path statements kept prepared per session (`Applier::prepared`).
 const CAREFUL_STMTS: usize = 512;
 
@@ -92,15 +95,17 @@ impl Applier {
     /// rolled back and judged again, now seeing the other stream's row (a
     /// conflict the resolver decides like any other). Stopping the stream
     /// there would leave it stuck on a state that no longer exists.
+    /// `rolled_back`: its fast-path attempt met a conflict (status counts it).
     pub(super) async fn apply_careful(
         &mut self,
         meta: &TxnMeta,
         body: &TxnBody,
+        rolled_back: bool,
     ) -> Result<(), ApplyFailure> {
         let mut attempt = 0u32;
         loop {
             let routine = self.routine_careful_count();
-            match self.apply_careful_once(meta, body).await {
+            match self.apply_careful_once(meta, body, rolled_back).await {
                 Err(f) if attempt < CONCURRENT_RETRIES && is_concurrent_apply(&f) => {
                     attempt += 1;
                     self.set_routine_careful_count(routine);
@@ -118,6 +123,7 @@ impl Applier {
         &mut self,
         meta: &TxnMeta,
         body: &TxnBody,
+        rolled_back: bool,
     ) -> Result<(), ApplyFailure> {
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
         let mut src = body.open()?;
@@ -135,12 +141,13 @@ impl Applier {
         // first read, held until COMMIT. Within one agent the gate above
         // already does this; the lock says it to PostgreSQL too (any other
         // session applying on this node's behalf, and what pg_locks shows).
-        // BEGIN and the lock in one round trip (a simple-query batch): the careful path
-        // runs one transaction at a time, so its round trips are its cost.
-        self.client
-            .batch_execute(&format!("BEGIN; {}", sql::CAREFUL_LOCK))
-            .await
-            .map_err(pg)?;
+        // BEGIN and the lock go out with the first read, not a round trip
+        // ahead of it: the careful path runs one transaction at a time, so
+        // its round trips are its cost (`deferred.rs`).
+        self.deferred.clear();
+        let lock = self.prepared(sql::CAREFUL_LOCK).await.map_err(pg)?;
+        self.deferred
+            .send_begin(&self.client, &[&self.begin.clone(), &lock]);
         let mut out = Outcome::default();
         // Set when the COMMIT below is sent: it ends the transaction either
         // way, and a ROLLBACK after it only makes PostgreSQL warn.
@@ -160,6 +167,7 @@ impl Applier {
                     Message::Update(u) => self.careful_update(meta, u, &mut out).await?,
                     Message::Delete(d) => self.careful_delete(meta, d, &mut out).await?,
                     Message::Truncate(t) => {
+                        self.deferred.begun().await?;
                         let (_, params) = self.truncate_params(meta, &t)?;
                         let stmt = self.prepared(sql::APPLY_TRUNCATE).await.map_err(pg)?;
                         self.client
@@ -171,6 +179,7 @@ impl Applier {
                         self.careful_compensation(meta, &m, &mut out).await?
                     }
                     Message::Message(m) if super::applier::is_partition_truncate(&m) => {
+                        self.deferred.begun().await?;
                         let params = super::applier::partition_truncate_params(&m, meta);
                         let stmt = self
                             .prepared(sql::APPLY_PARTITION_TRUNCATE)
@@ -190,6 +199,8 @@ impl Applier {
                     }
                 }
             }
+            // Nothing below may run outside the transaction.
+            self.deferred.begun().await?;
             for check in fk_checks {
                 let (stmt, child) = self.fk_statement(None, &check).await?;
                 let mut params = vec![
@@ -218,7 +229,11 @@ impl Applier {
             // poll, and `try_join_all` polls in order) and none needs an
             // earlier one's reply. A failure among them aborts the
             // transaction, which the COMMIT then rolls back.
-            let mut round: Vec<RoundStatement<'_>> = Vec::with_capacity(log_rows.len() + 2);
+            // The deferred writes' replies first: a failure among them is the
+            // one to report (the statements after it fail with 25P02).
+            let mut round: Vec<RoundStatement<'_>> = Vec::with_capacity(log_rows.len() + 3);
+            let deferred = &self.deferred;
+            round.push(Box::pin(async move { deferred.settle().await.map(|()| 0) }));
             for (rel, params) in &log_rows {
                 let (client, log) = (&self.client, &log);
                 round.push(Box::pin(async move {
@@ -246,6 +261,12 @@ impl Applier {
         }
         .await;
         if let Err(mut f) = r {
+            // A deferred write that failed made what followed it fail with
+            // 25P02: its own error is the one to report.
+            if let Err(first) = self.deferred.settle().await {
+                f = first;
+            }
+            self.deferred.clear();
             // BEGIN went through: end the aborted transaction here, unless
             // the COMMIT was sent (it ended it either way).
             if !commit_sent.load(std::sync::atomic::Ordering::Relaxed) {
@@ -254,6 +275,14 @@ impl Applier {
             f.txn = Some(*meta);
             f.conflict = false;
             return Err(f);
+        }
+        out.rows += self.deferred.take_rows();
+        // Right after a conflict more are likely: the stream applies its
+        // next transactions one at a time, and those on this key carefully
+        // from the start (`hot.rs`).
+        if !out.conflicts.is_empty() {
+            self.note_hot_keys(body);
+            self.streak = self.streak.max(super::applier::CONFLICT_STREAK);
         }
         for (ty, rel) in &out.conflicts {
             tracing::info!(conflict = ty, relation = %rel, xid = meta.xid, commit_lsn = %meta.commit_lsn, "conflict resolved");
@@ -264,8 +293,35 @@ impl Applier {
             rows: out.rows,
             conflicts: out.conflicts,
             routine: 0,
+            rolled_back,
         });
         Ok(())
+    }
+
+    /// Remembers the keys of a transaction that met a conflict (its first
+    /// changes only: the set steers single-change transactions).
+    fn note_hot_keys(&mut self, body: &TxnBody) {
+        let Ok(mut src) = body.open() else {
+            return;
+        };
+        for _ in 0..HOT_KEYS_PER_TXN {
+            let Ok(Some(msg)) = src.next_message() else {
+                break;
+            };
+            let oid = match &msg {
+                Message::Insert(i) => i.relation_oid,
+                Message::Update(u) => u.relation_oid,
+                Message::Delete(d) => d.relation_oid,
+                _ => continue,
+            };
+            if let Some(k) = self
+                .relations
+                .get(&oid)
+                .and_then(|rel| super::hot::key_of(rel, &msg))
+            {
+                self.hot.insert(k);
+            }
+        }
     }
 
     /// A careful-path statement, prepared once per session. Sent as text,
@@ -436,21 +492,48 @@ impl Applier {
             return Ok(());
         };
         let text = sql::tombstone_upsert(rel.relid, &names, &rel.key_types());
-        self.exec(rel, &text, key).await.map(|_| ())
+        self.exec(rel, &text, key).await
     }
 
+    /// Sends a write, deferred (`deferred.rs`): its reply is read with the
+    /// transaction's last round.
     async fn exec(
         &self,
         rel: &LocalRelation,
         text: &str,
         params: &[Param],
-    ) -> Result<u64, ApplyFailure> {
+    ) -> Result<(), ApplyFailure> {
+        self.send_write(rel, text, params, false).await
+    }
+
+    /// `exec` of the change itself: its rows count as rows applied.
+    async fn exec_row(
+        &self,
+        rel: &LocalRelation,
+        text: &str,
+        params: &[Param],
+    ) -> Result<(), ApplyFailure> {
+        self.send_write(rel, text, params, true).await
+    }
+
+    async fn send_write(
+        &self,
+        rel: &LocalRelation,
+        text: &str,
+        params: &[Param],
+        counted: bool,
+    ) -> Result<(), ApplyFailure> {
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(Some(&*rel.display), &e);
         let stmt = self.prepared(text).await.map_err(pg)?;
-        self.client
-            .execute(&stmt, &params_ref(params))
-            .await
-            .map_err(pg)
+        self.deferred.begun().await?;
+        self.deferred.send(
+            &self.client,
+            &stmt,
+            params.to_vec(),
+            Some(Arc::clone(&rel.display)),
+            counted,
+        );
+        Ok(())
     }
 
     /// A tuple as the jsonb object a local row of the table would be;
@@ -887,7 +970,7 @@ impl Applier {
             .await?
         {
             Judgement::Apply => {
-                out.rows += self.exec(rel, &plain_insert, &params).await?;
+                self.exec_row(rel, &plain_insert, &params).await?;
                 if let Some(t) = &found.tombstone {
                     self.note_routine(t);
                 }
@@ -913,7 +996,7 @@ impl Applier {
         .await?;
         if plan.write == Write::Change {
             // Over an existing row: carry_out deleted it (delete_target).
-            out.rows += self.exec(rel, &plain_insert, &params).await?;
+            self.exec_row(rel, &plain_insert, &params).await?;
         }
         self.log_conflict(rel, meta, &c, key, plan.label, out).await
     }
@@ -1189,17 +1272,28 @@ impl Applier {
             return self.careful_move(meta, upd, loc_params, out).await;
         }
         let loc = masked_locator(rel, &match_mask);
-        let target = self.fetch_target(rel, &loc, &loc_params).await?;
+        let toast = upd
+            .new
+            .columns
+            .iter()
+            .any(|c| matches!(c, ColumnValue::UnchangedToast));
+        // Two reads that do not depend on each other, in one round trip: the
+        // target and the incoming row as the conflict log and resolvers see
+        // it (unless it is to be completed from its origin first).
+        let (target, new_json) = if toast {
+            (self.fetch_target(rel, &loc, &loc_params).await?, None)
+        } else {
+            let (t, n) = futures_util::try_join!(
+                self.fetch_target(rel, &loc, &loc_params),
+                self.tuple_json(rel, &upd.new.columns, |_| true)
+            )?;
+            (t, Some(n))
+        };
         // A conflicting update with unchanged-TOAST columns: complete it
         // from its origin first, so resolvers see the whole row and the
         // winner is written whole on every node.
         let mut gone_on_origin = false;
-        if upd
-            .new
-            .columns
-            .iter()
-            .any(|c| matches!(c, ColumnValue::UnchangedToast))
-        {
+        if toast {
             let conflicting = target.as_ref().is_none_or(|t| !self.no_conflict(t, rts))
                 || self.base_may_be_stale(rts);
             if conflicting {
@@ -1228,7 +1322,10 @@ impl Applier {
             Some(old) => Some(self.old_json(rel, old).await?),
             None => None,
         };
-        let remote_new = self.tuple_json(rel, &upd.new.columns, |_| true).await?;
+        let remote_new = match new_json {
+            Some(v) => v,
+            None => self.tuple_json(rel, &upd.new.columns, |_| true).await?,
+        };
         let key = key_of(rel, remote_old.as_ref().unwrap_or(&remote_new));
         let collisions = match &target {
             Some(t) => {
@@ -1255,7 +1352,7 @@ impl Applier {
             .await?
         {
             Judgement::Apply => {
-                out.rows += self.exec(rel, &plain_update, &update_params).await?;
+                self.exec_row(rel, &plain_update, &update_params).await?;
                 if let Some(t) = &found.target {
                     self.note_routine(t);
                 }
@@ -1308,7 +1405,7 @@ impl Applier {
         )
         .await?;
         if plan.write == Write::Change {
-            out.rows += self.exec(rel, &plain_update, &update_params).await?;
+            self.exec_row(rel, &plain_update, &update_params).await?;
         }
         self.log_conflict(rel, meta, &c, key, plan.label, out).await
     }

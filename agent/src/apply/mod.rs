@@ -22,9 +22,11 @@
 mod applier;
 mod careful;
 mod compensation;
+mod deferred;
 mod early;
 mod fk;
 mod gate;
+mod hot;
 mod param;
 mod pipeline;
 mod relation;

@@ -70,6 +70,9 @@ pub struct Done {
     /// Changes to rows last written by another origin that were routine
     /// (the publisher had seen that version), resolved without a resolver.
     pub routine: u64,
+    /// Applied on the careful path after its fast-path attempt met a
+    /// conflict and was rolled back.
+    pub rolled_back: bool,
 }
 
 pub struct Pipeline {
@@ -210,6 +213,7 @@ impl Pipeline {
                             rows: std::mem::take(&mut self.rows),
                             conflicts: std::mem::take(&mut self.orphans),
                             routine: 0,
+                            rolled_back: false,
                         });
                     }
                 }

@@ -273,6 +273,7 @@ pub fn aggregate(
                 restarts: None,
                 streamed_bytes: None,
                 early_txns: None,
+                conflict_rollbacks: None,
                 last_error: None,
                 error_kind: None,
                 stuck_lsn: None,
@@ -296,6 +297,7 @@ pub fn aggregate(
                         p.restarts = Some(s.restarts);
                         p.streamed_bytes = Some(s.streamed_bytes);
                         p.early_txns = Some(s.early_txns);
+                        p.conflict_rollbacks = Some(s.conflict_rollbacks);
                         p.last_error = s.last_error.clone();
                         p.error_kind = s.error_kind;
                         p.stuck_lsn = s.stuck_lsn;

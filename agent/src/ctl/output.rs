@@ -66,6 +66,9 @@ pub struct PairView {
     /// Transactions applied while they still arrived (before their COMMIT).
     #[serde(default)]
     pub early_txns: Option<u64>,
+    /// Fast-path attempts rolled back for a conflict (`conflict_rollbacks`).
+    #[serde(default)]
+    pub conflict_rollbacks: Option<u64>,
     pub last_error: Option<String>,
     /// `transient` (retried until it passes) or `definite` (needs an operator).
     #[serde(default)]

@@ -1,0 +1,65 @@
+//! Keys known to be hot: rows that single-change transactions of this
+//! stream just met in conflict.
+//!
+//! Under hot keys nearly every transaction conflicts. On the fast path each
+//! one would be sent, fail in its conflict check, be rolled back and then
+//! be applied again on the careful path: a statement and a round trip
+//! spent on an attempt that is known to fail. A transaction whose only
+//! change touches a key in this set goes to the careful path directly
+//! ("check, then apply"). Only the route changes: a key that is no longer
+//! contended is applied there as a routine change, with the same outcome
+//! the fast path would have had.
+
+use std::collections::HashSet;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use mm_proto::pgoutput::Message;
+
+use super::Param;
+use super::relation::LocalRelation;
+use super::tuple::locate;
+
+/// Keys remembered; the set starts over when full (it only steers routing).
+const CAPACITY: usize = 4096;
+
+#[derive(Default)]
+pub(super) struct HotKeys(HashSet<u64>);
+
+impl HotKeys {
+    pub fn insert(&mut self, key: u64) {
+        if self.0.len() >= CAPACITY {
+            self.0.clear();
+        }
+        self.0.insert(key);
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.0.contains(&key)
+    }
+}
+
+/// A fingerprint of the row a change targets: its relation and the values
+/// that locate it, as the publisher sent them. `None` when the change has
+/// no key of its own (REPLICA IDENTITY FULL without an index).
+pub(super) fn key_of(rel: &LocalRelation, change: &Message) -> Option<u64> {
+    let (oid, located) = match change {
+        Message::Insert(i) => (i.relation_oid, locate(rel, None, Some(&i.new))),
+        Message::Update(u) => (u.relation_oid, locate(rel, u.old.as_ref(), Some(&u.new))),
+        Message::Delete(d) => (d.relation_oid, locate(rel, Some(&d.old), None)),
+        _ => return None,
+    };
+    let (mask, params) = located.ok()?;
+    if !mask.is_empty() {
+        return None;
+    }
+    let mut h = DefaultHasher::new();
+    oid.hash(&mut h);
+    for p in &params {
+        match p {
+            Param::Null => 0u8.hash(&mut h),
+            Param::Text(b) => (1u8, b.as_ref()).hash(&mut h),
+            Param::Binary(b) => (2u8, b.as_ref()).hash(&mut h),
+        }
+    }
+    Some(h.finish())
+}
