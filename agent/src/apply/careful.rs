@@ -282,7 +282,7 @@ impl Applier {
         // from the start (`hot.rs`).
         if !out.conflicts.is_empty() {
             self.note_hot_keys(body);
-            self.streak = self.streak.max(super::applier::CONFLICT_STREAK);
+            self.streak = self.streak.max(super::recover::CONFLICT_STREAK);
         }
         for (ty, rel) in &out.conflicts {
             tracing::info!(conflict = ty, relation = %rel, xid = meta.xid, commit_lsn = %meta.commit_lsn, "conflict resolved");

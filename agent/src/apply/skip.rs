@@ -3,7 +3,8 @@
 
 use mm_proto::pgoutput::{ColumnValue, KeyTuple, Message, OldTuple, TupleData};
 
-use super::applier::{Applier, ChangeSource, TxnMeta, control_op};
+use super::applier::{Applier, ChangeSource, TxnMeta};
+use super::fast::control_op;
 use super::pipeline::{OpKind, Pipeline};
 use super::relation::LocalRelation;
 use super::{ApplyFailure, Param};

@@ -1,0 +1,154 @@
+//! Recovery from a conflict met on the fast path, and the route of
+//! transactions on keys that just conflicted.
+//!
+//! Invariant (commit order, exactly-once): whatever route a transaction
+//! takes here, the same transactions commit, in the publisher's order, each
+//! once; the progress guard of every statement sent still expects the end
+//! of the transaction committed before it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use mm_proto::Lsn;
+use mm_proto::pgoutput::Message;
+
+use super::ApplyFailure;
+use super::applier::{Applier, TxnBody, TxnMeta, Watermark};
+
+/// Transactions applied one at a time after a conflict (see `apply`).
+pub(super) const CONFLICT_STREAK: u32 = 64;
+
+impl Applier {
+    /// Whether `body` is one change to a key that just conflicted.
+    pub(super) fn touches_hot_key(&self, meta: &TxnMeta, body: &TxnBody) -> bool {
+        !self.skips.contains(&meta.commit_lsn)
+            && self.single_key(body).is_some_and(|k| self.hot.contains(k))
+    }
+
+    /// The key of `body`'s change when it is its only one (`hot.rs`).
+    pub(super) fn single_key(&self, body: &TxnBody) -> Option<u64> {
+        let change = body.single_change()?;
+        let oid = match &change {
+            Message::Insert(i) => i.relation_oid,
+            Message::Update(u) => u.relation_oid,
+            Message::Delete(d) => d.relation_oid,
+            _ => return None,
+        };
+        super::hot::key_of(self.relations.get(&oid)?, &change)
+    }
+
+    /// A transaction on a hot key: the careful path directly, once
+    /// everything queued before it has committed (commit order). A conflict
+    /// among those is recovered as any other, this transaction with them.
+    pub(super) async fn apply_hot(
+        &mut self,
+        meta: &TxnMeta,
+        body: &TxnBody,
+    ) -> Result<(), ApplyFailure> {
+        match self.settle(0).await {
+            Err(f) if f.conflict => return self.recover(f).await,
+            r => r?,
+        }
+        // Nothing is in flight now; this sets the progress it expects.
+        let again = self.roll_back_pipeline().await?;
+        self.queued.extend(again);
+        self.apply_careful(meta, body, false).await?;
+        self.next_expected = meta.end_lsn;
+        Ok(())
+    }
+
+    /// A fast-path statement met a conflict in a queued transaction: every
+    /// transaction from that one on rolls back (the progress guard makes the
+    /// later ones fail). Waits them out, applies the conflicting one with
+    /// the resolver (one statement at a time), and queues the rest again.
+    /// Invariant (commit order, exactly-once): the same transactions commit,
+    /// in the same order, each once.
+    pub async fn recover(&mut self, failure: ApplyFailure) -> Result<(), ApplyFailure> {
+        debug_assert!(failure.conflict);
+        let pending = self.roll_back_pipeline().await?;
+        if let Some(t) = failure.txn
+            && pending
+                .front()
+                .is_some_and(|(m, _, _)| m.end_lsn != t.end_lsn)
+        {
+            tracing::debug!(failed = %t.commit_lsn, "conflict reported behind the first uncommitted transaction");
+        }
+        let latest = Arc::clone(&self.wm);
+        let mut first = true;
+        // The first is the one that met the conflict; the others are applied
+        // one at a time: with conflicts dense, queuing them all again would
+        // roll them all back again at the next one. Those on a key that just
+        // conflicted go to the careful path without a fast attempt (`hot.rs`).
+        for (m, b, w) in pending {
+            self.wm = Arc::clone(&w);
+            self.queued.push_back((m, Arc::clone(&b), w));
+            // Some(rolled back first): to the careful path.
+            let careful = if std::mem::take(&mut first) {
+                Some(true)
+            } else if self.touches_hot_key(&m, &b) {
+                Some(false)
+            } else {
+                match self.queue_fast(&m, &b).await {
+                    Ok(()) => self.settle(0).await,
+                    Err(f) => Err(f),
+                }
+                .map_or_else(
+                    |f| if f.conflict { Ok(Some(true)) } else { Err(f) },
+                    |()| Ok(None),
+                )?
+            };
+            if let Some(rolled_back) = careful {
+                // Only this transaction is in flight (or nothing).
+                let again = self.roll_back_pipeline().await?;
+                self.queued.extend(again);
+                self.apply_careful(&m, &b, rolled_back).await?;
+                self.next_expected = m.end_lsn;
+            }
+        }
+        self.wm = latest;
+        self.streak = CONFLICT_STREAK;
+        Ok(())
+    }
+
+    /// Waits out every statement in flight and rolls back whatever is open.
+    /// Returns the queued transactions that did not commit, in order (taken
+    /// out of the queue), and sets the progress the first of them expects.
+    #[allow(clippy::type_complexity)]
+    pub(super) async fn roll_back_pipeline(
+        &mut self,
+    ) -> Result<VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>, ApplyFailure> {
+        let mut pipe = self.take_pipe()?;
+        pipe.drain().await;
+        let committed: Vec<Lsn> = pipe.done.iter().map(|d| d.meta.end_lsn).collect();
+        self.pipe = Some(pipe);
+        // Whatever was left open (a transaction queued only in part).
+        self.early = None;
+        if std::mem::take(&mut self.txn_open) {
+            self.client
+                .batch_execute("ROLLBACK")
+                .await
+                .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        }
+        // The end of the last committed one is what the next one finds.
+        self.next_expected = committed
+            .last()
+            .copied()
+            .unwrap_or(self.last_applied)
+            .max(self.last_applied);
+        Ok(std::mem::take(&mut self.queued)
+            .into_iter()
+            .filter(|(m, _, _)| !committed.contains(&m.end_lsn) && m.end_lsn > self.last_applied)
+            .collect())
+    }
+
+    /// Waits until everything queued is answered; conflicts met on the way
+    /// are resolved (which queues transactions again, hence the loop).
+    pub(super) async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
+        loop {
+            match self.settle(0).await {
+                Err(f) if f.conflict => self.recover(f).await?,
+                r => return r,
+            }
+        }
+    }
+}
