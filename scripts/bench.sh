@@ -36,7 +36,7 @@ if [[ ${1:-} == join ]]; then
     shift
     bench_bin=join-bench
 fi
-cargo build --release -p mm-agent --bins -p mm-tests --bin "$bench_bin"
+cargo build --release -p mm-agent --bins -p mm-bench --bin "$bench_bin"
 
 # Wherever this checkout builds to (.cargo/config.toml or CARGO_TARGET_DIR).
 target=$(cargo metadata --format-version 1 --no-deps |

@@ -7,7 +7,6 @@
 //! about a second.
 
 pub mod agent;
-pub mod bench;
 pub mod cluster;
 mod install;
 mod pg;

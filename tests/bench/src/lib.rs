@@ -24,8 +24,8 @@ use anyhow::{Context, Result, bail, ensure};
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
 
-use crate::agent::{AgentProcess, Secrets, mmctl};
-use crate::{PgNode, pg_bin_dir};
+use mm_tests::agent::{AgentProcess, Secrets, mmctl};
+use mm_tests::{PgNode, pg_bin_dir};
 
 pub mod backlog;
 

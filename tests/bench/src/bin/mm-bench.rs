@@ -14,10 +14,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use mm_tests::bench::backlog::{self, Backlog, BacklogConfig, Shape};
-use mm_tests::bench::{
-    self, ConflictConfig, ConflictResult, KeySet, Kind, Measured, System, TpcbConfig, TpcbResult,
-    percentile,
+use mm_bench::backlog::{self, Backlog, BacklogConfig, Shape};
+use mm_bench::{
+    self as bench, ConflictConfig, ConflictResult, KeySet, Kind, Measured, System, TpcbConfig,
+    TpcbResult, percentile,
 };
 
 const USAGE: &str = "\
