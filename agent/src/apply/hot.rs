@@ -52,14 +52,63 @@ pub(super) fn key_of(rel: &LocalRelation, change: &Message) -> Option<u64> {
     if !mask.is_empty() {
         return None;
     }
+    Some(fingerprint(oid, &params))
+}
+
+/// Equal for equal (relation, key values); each value is hashed with its
+/// kind and length, so values never run into each other.
+fn fingerprint(oid: u32, key: &[Param]) -> u64 {
     let mut h = DefaultHasher::new();
     oid.hash(&mut h);
-    for p in &params {
+    for p in key {
         match p {
             Param::Null => 0u8.hash(&mut h),
             Param::Text(b) => (1u8, b.as_ref()).hash(&mut h),
             Param::Binary(b) => (2u8, b.as_ref()).hash(&mut h),
         }
     }
-    Some(h.finish())
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn text(s: &'static str) -> Param {
+        Param::Text(Bytes::from_static(s.as_bytes()))
+    }
+
+    #[test]
+    fn a_key_is_known_by_its_relation_and_every_value() {
+        let k = fingerprint(42, &[text("1"), text("x")]);
+        assert_eq!(k, fingerprint(42, &[text("1"), text("x")]));
+        assert_ne!(k, fingerprint(43, &[text("1"), text("x")]));
+        assert_ne!(k, fingerprint(42, &[text("1"), text("y")]));
+        // Boundaries and kinds count: no two keys run into each other.
+        assert_ne!(
+            fingerprint(42, &[text("ab"), text("c")]),
+            fingerprint(42, &[text("a"), text("bc")])
+        );
+        assert_ne!(
+            fingerprint(42, &[Param::Null]),
+            fingerprint(42, &[text("")])
+        );
+        assert_ne!(
+            fingerprint(42, &[text("1")]),
+            fingerprint(42, &[Param::Binary(Bytes::from_static(b"1"))])
+        );
+    }
+
+    #[test]
+    fn the_set_forgets_everything_when_full_and_keeps_going() {
+        let mut hot = HotKeys::default();
+        for k in 0..CAPACITY as u64 {
+            hot.insert(k);
+        }
+        assert!(hot.contains(0) && hot.contains(CAPACITY as u64 - 1));
+        hot.insert(u64::MAX);
+        assert!(hot.contains(u64::MAX));
+        assert!(!hot.contains(0), "a full set starts over");
+    }
 }
