@@ -12,6 +12,7 @@
 
 mod early;
 pub mod names;
+mod receive;
 mod spool;
 mod supervisor;
 
@@ -25,12 +26,11 @@ use mm_proto::api::{ErrorKind, StreamState};
 use mm_proto::client::{ReplicationClient, ReplicationConfig, SnapshotAction};
 use mm_proto::pgoutput::{Begin, Message, StreamTracker};
 use mm_proto::walsender::{ServerMessage, StandbyStatusUpdate, pg_now_micros};
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span};
 
-use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, InMemory, TxnBody, TxnMeta};
+use crate::apply::{Applier, ApplyContext, ApplyFailure, Done, TxnBody, TxnMeta};
 use crate::status::StatusRegistry;
-use crate::watermark::{self, Announcement};
-use early::{StreamedEarly, abandon_idle_early, abandon_streamed, apply_early};
+use crate::watermark::Announcement;
 use spool::Spool;
 
 pub use supervisor::{StreamHandle, spawn_stream};
@@ -193,7 +193,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     let status = &local.status;
 
     let origin = names::origin_name(&peer.name);
-    let (mut applier, start) = Applier::open(
+    let (applier, start) = Applier::open(
         &local.dsn,
         local.password.as_deref(),
         &origin,
@@ -242,15 +242,14 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         .map_err(repl_err)?;
     info!(%slot, %start, "streaming");
 
-    let mut spool =
-        Spool::open(&local.data_dir.join("spool").join(&peer.name)).map_err(|source| {
-            StreamError::Spool {
-                peer: pname.clone(),
-                source,
-            }
-        })?;
-    let mut tracker = StreamTracker::new(4, false);
-    let mut progress = Progress {
+    let spool = Spool::open(&local.data_dir.join("spool").join(&peer.name)).map_err(|source| {
+        StreamError::Spool {
+            peer: pname.clone(),
+            source,
+        }
+    })?;
+    let tracker = StreamTracker::new(4, false);
+    let progress = Progress {
         received: start,
         applied: start,
         processed: start,
@@ -264,54 +263,38 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         s.last_error = None;
     });
 
-    // The ordinary (non-streamed) transaction being received.
-    let mut current: Option<OpenTxn> = None;
-    let mut stream_xid: Option<u32> = None;
-    // The streamed transaction applied while it arrives (`early.rs`), and
-    // the publisher's watermark announcement that arrived meanwhile: it
-    // takes effect after that transaction (installing it settles the
-    // session, which holds that transaction open).
-    let mut streamed_early: Option<StreamedEarly> = None;
-    let mut deferred_announcement: Option<Announcement> = None;
+    let mut rx = receive::Receiver {
+        local,
+        peer: pname.clone(),
+        applier,
+        spool,
+        tracker,
+        progress,
+        current: None,
+        stream_xid: None,
+        streamed_early: None,
+        deferred_announcement: None,
+    };
     let mut ticker = tokio::time::interval(FEEDBACK_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
-        // A conflict or failure rolled it back: applied at its commit.
-        if streamed_early.is_some() && !applier.is_early() {
-            streamed_early = None;
-        }
-        if streamed_early.is_none()
-            && let Some(a) = deferred_announcement.take()
-        {
-            announce(&mut applier, local, &pname, &mut progress, a).await?;
-        }
+        rx.before_next().await?;
         let msg = tokio::select! {
             m = stream.next() => m,
             // Replies of pipelined transactions, consumed as they come so
             // status and wait-sync see commits promptly.
-            r = applier.settle_next(), if applier.in_flight() > 0 => {
+            r = rx.applier.settle_next(), if rx.applier.in_flight() > 0 => {
                 match r {
-                    Err(f) => applier.resolve_failure(f).await,
+                    Err(f) => rx.applier.resolve_failure(f).await,
                     r => r,
                 }
                 .map_err(|f| apply_err(&pname, None, f))?;
-                finished(&mut applier, local, &pname, &mut progress);
+                finished(&mut rx.applier, local, &pname, &mut rx.progress);
                 continue;
             }
             _ = ticker.tick() => {
-                if let Some(open) = current.as_mut() {
-                    abandon_idle_early(&mut applier, &pname, open).await?;
-                }
-                if streamed_early.as_ref().is_some_and(StreamedEarly::idle) {
-                    warn!(xid = streamed_early.as_ref().map_or(0, |e| e.xid),
-                        "the publisher stopped sending a streamed transaction being applied while it arrived: rolled back here, applied at its commit");
-                    abandon_streamed(&mut applier, &pname, &mut streamed_early, "idle").await?;
-                }
-                let idle = current.is_none();
-                send_feedback(&mut applier, &mut stream, &mut progress, idle, true, &pname).await?;
-                finished(&mut applier, local, &pname, &mut progress);
-                publish(status, &peer.name, &progress);
+                rx.on_tick(&mut stream).await?;
                 continue;
             }
         };
@@ -326,270 +309,15 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 send_time: _,
                 reply_requested,
             } => {
-                progress.received = progress.received.max(wal_end);
-                // Every transaction sent before this keepalive has been
-                // received and, when none is open or unanswered, applied.
-                if current.is_none() && stream_xid.is_none() && applier.in_flight() == 0 {
-                    progress.processed = progress.processed.max(wal_end);
-                    // Not a claim about commit timestamps: during catch-up a
-                    // keepalive's send time is "now" while its position is
-                    // far behind. The publisher's announcements say that
-                    // (`Announcement::at`).
-                }
-                if reply_requested {
-                    let idle = current.is_none();
-                    send_feedback(
-                        &mut applier,
-                        &mut stream,
-                        &mut progress,
-                        idle,
-                        false,
-                        &pname,
-                    )
-                    .await?;
-                }
+                rx.on_keepalive(&mut stream, wal_end, reply_requested)
+                    .await?
             }
             ServerMessage::XLogData {
                 wal_start,
                 wal_end,
                 data,
                 ..
-            } => {
-                progress.received = progress.received.max(wal_end);
-                let raw: Bytes = data;
-                let decoded = tracker
-                    .decode(raw.clone())
-                    .map_err(|e| StreamError::Protocol {
-                        peer: pname.clone(),
-                        lsn: wal_start,
-                        message: e.to_string(),
-                    })?;
-                let proto_err = |message: String| StreamError::Protocol {
-                    peer: pname.clone(),
-                    lsn: wal_start,
-                    message,
-                };
-                match decoded {
-                    Message::Begin(b) => {
-                        if current.is_some() {
-                            return Err(proto_err("BEGIN inside an open transaction".into()));
-                        }
-                        // It committed first on the publisher: it must here too.
-                        abandon_streamed(
-                            &mut applier,
-                            &pname,
-                            &mut streamed_early,
-                            "a transaction committed before it",
-                        )
-                        .await?;
-                        current = Some(OpenTxn::new(b));
-                    }
-                    Message::Commit(c) => {
-                        let Some(mut open) = current.take() else {
-                            return Err(proto_err("COMMIT without BEGIN".into()));
-                        };
-                        let meta = TxnMeta {
-                            xid: open.begin.xid,
-                            commit_lsn: c.commit_lsn,
-                            end_lsn: c.end_lsn,
-                            commit_ts: c.commit_timestamp,
-                        };
-                        let early = open.early.take();
-                        let body: TxnBody = if open.spilled {
-                            let spooled = spool.take(open.begin.xid).map_err(|source| {
-                                StreamError::Spool {
-                                    peer: pname.clone(),
-                                    source,
-                                }
-                            })?;
-                            match spooled {
-                                Some(t) => Arc::new(t),
-                                None => Arc::new(InMemory(Arc::new(Vec::new()))),
-                            }
-                        } else {
-                            Arc::new(InMemory(Arc::new(open.msgs)))
-                        };
-                        match early {
-                            Some(rest) => {
-                                let was = applier
-                                    .commit_early(&meta, body, rest)
-                                    .await
-                                    .map_err(|f| apply_err(&pname, Some(&meta), f))?;
-                                if was {
-                                    status.update(&pname, |s| s.early_txns += 1);
-                                }
-                            }
-                            None => apply_one(&mut applier, &pname, &meta, body).await?,
-                        }
-                        progress.last_queued = meta.end_lsn;
-                        finished(&mut applier, local, &pname, &mut progress);
-                    }
-                    Message::StreamStart(s) => {
-                        if streamed_early.as_ref().is_some_and(|e| e.xid != s.xid) {
-                            // It may commit first.
-                            abandon_streamed(
-                                &mut applier,
-                                &pname,
-                                &mut streamed_early,
-                                "another streamed transaction",
-                            )
-                            .await?;
-                        }
-                        if s.first_segment {
-                            debug!(
-                                xid = s.xid,
-                                "streaming an in-progress transaction to the spool"
-                            );
-                            if streamed_early.is_none()
-                                && current.is_none()
-                                && spool.streams_open() == 0
-                            {
-                                streamed_early =
-                                    StreamedEarly::begin(&mut applier, &pname, s.xid).await?;
-                            }
-                        }
-                        stream_xid = Some(s.xid);
-                    }
-                    Message::StreamStop => stream_xid = None,
-                    Message::StreamCommit(c) => {
-                        let meta = TxnMeta {
-                            xid: c.xid,
-                            commit_lsn: c.commit_lsn,
-                            end_lsn: c.end_lsn,
-                            commit_ts: c.commit_timestamp,
-                        };
-                        let reader = spool.take(c.xid).map_err(|source| StreamError::Spool {
-                            peer: pname.clone(),
-                            source,
-                        })?;
-                        // Spool reads are buffered (1 MiB) sequential file
-                        // reads, mostly from the page cache.
-                        let body: TxnBody = match reader {
-                            Some(r) => Arc::new(r),
-                            None => Arc::new(InMemory(Arc::new(Vec::new()))),
-                        };
-                        match streamed_early.take_if(|e| e.xid == c.xid) {
-                            Some(e) => {
-                                let was = applier
-                                    .commit_early(&meta, body, e.rest())
-                                    .await
-                                    .map_err(|f| apply_err(&pname, Some(&meta), f))?;
-                                if was {
-                                    status.update(&pname, |s| s.early_txns += 1);
-                                }
-                            }
-                            None => apply_one(&mut applier, &pname, &meta, body).await?,
-                        }
-                        progress.last_queued = meta.end_lsn;
-                        finished(&mut applier, local, &pname, &mut progress);
-                    }
-                    Message::StreamAbort(a) => {
-                        let discarded =
-                            spool.abort(a.xid, a.subtransaction_xid).map_err(|source| {
-                                StreamError::Spool {
-                                    peer: pname.clone(),
-                                    source,
-                                }
-                            })?;
-                        // Applied changes of it are gone on the publisher:
-                        // the spool without them is applied at the commit.
-                        if streamed_early.as_ref().is_some_and(|e| e.xid == a.xid)
-                            && (discarded || a.xid == a.subtransaction_xid)
-                        {
-                            abandon_streamed(
-                                &mut applier,
-                                &pname,
-                                &mut streamed_early,
-                                "aborted in part",
-                            )
-                            .await?;
-                        }
-                    }
-                    Message::Relation(r) if stream_xid.is_some() => {
-                        // Like PostgreSQL's apply worker: update the relation map
-                        // now AND keep the message in the spool for replay.
-                        let xid = stream_xid.unwrap_or_default();
-                        let sub = r.xid.unwrap_or(xid);
-                        spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
-                        // In order with its changes queued so far.
-                        if let Some(e) = streamed_early.as_mut().filter(|e| e.xid == xid) {
-                            e.push(&mut applier, &pname, Message::Relation(r.clone()))
-                                .await?;
-                            e.flush(&mut applier, &pname).await?;
-                            if applier.is_early() {
-                                continue;
-                            }
-                        }
-                        applier
-                            .relation(r)
-                            .await
-                            .map_err(|failure| StreamError::Apply {
-                                peer: pname.clone(),
-                                xid,
-                                lsn: wal_start,
-                                failure: Box::new(failure),
-                            })?;
-                    }
-                    other if stream_xid.is_some() => {
-                        let xid = stream_xid.unwrap_or_default();
-                        let sub = other.stream_xid().unwrap_or(xid);
-                        spool_append(&mut spool, &pname, xid, sub, &raw, status)?;
-                        if let Some(e) = streamed_early.as_mut().filter(|e| e.xid == xid) {
-                            e.push(&mut applier, &pname, other).await?;
-                        }
-                    }
-                    Message::Relation(r) if current.is_none() => {
-                        applier.relation(r).await.map_err(local_err)?;
-                    }
-                    Message::Message(m) if current.is_none() && m.prefix == watermark::PREFIX => {
-                        match Announcement::decode(&m.content) {
-                            Ok(a) if a.node == peer.name && streamed_early.is_some() => {
-                                deferred_announcement = Some(a);
-                            }
-                            Ok(a) if a.node == peer.name => {
-                                announce(&mut applier, local, &pname, &mut progress, a).await?;
-                            }
-                            // Relayed or foreign: not this publisher's word.
-                            Ok(_) => {}
-                            Err(e) => {
-                                warn!(lsn = %wal_start, error = %e, "ignoring a malformed watermark")
-                            }
-                        }
-                    }
-                    Message::Origin(_) | Message::Message(_) | Message::Type(_)
-                        if current.is_none() => {}
-                    other @ (Message::Relation(_)
-                    | Message::Type(_)
-                    | Message::Insert(_)
-                    | Message::Update(_)
-                    | Message::Delete(_)
-                    | Message::Truncate(_)
-                    | Message::Message(_)
-                    | Message::Origin(_)) => match current.as_mut() {
-                        Some(open) => {
-                            open.push(other, raw, &mut spool).map_err(|source| {
-                                StreamError::Spool {
-                                    peer: pname.clone(),
-                                    source,
-                                }
-                            })?;
-                            apply_early(&mut applier, &pname, open).await?;
-                        }
-                        None => {
-                            return Err(proto_err(format!(
-                                "{} outside a transaction",
-                                other.name()
-                            )));
-                        }
-                    },
-                    other => {
-                        return Err(proto_err(format!(
-                            "{} was not negotiated (two-phase is off)",
-                            other.name()
-                        )));
-                    }
-                }
-            }
+            } => rx.on_data(wal_start, wal_end, data).await?,
         }
     }
 }

@@ -1,0 +1,464 @@
+//! The receive loop's state and one handler per message, as PostgreSQL's
+//! `apply_dispatch` has it: `mod.rs` connects and selects between the
+//! stream, replies of pipelined transactions and the feedback tick; what
+//! each message does to the state is here, one method each.
+//!
+//! Invariants kept here: transactions are handed to the applier in the
+//! publisher's commit order (COMMIT and STREAM COMMIT, as they arrive); a
+//! streamed transaction applied while it arrives is given up whenever
+//! another transaction could commit before it (`early.rs`); the publisher's
+//! watermark takes effect only after what was queued before it.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use mm_proto::Lsn;
+use mm_proto::pgoutput::{
+    Begin, Commit, Message, Relation, StreamAbort, StreamCommit, StreamStart, StreamTracker,
+};
+use tracing::{debug, warn};
+
+use super::early::{StreamedEarly, abandon_idle_early, abandon_streamed, apply_early};
+use super::spool::Spool;
+use super::{
+    LocalNode, OpenTxn, Progress, StreamError, announce, apply_err, apply_one, finished, publish,
+    send_feedback, spool_append,
+};
+use crate::apply::{Applier, InMemory, TxnBody, TxnMeta};
+use crate::watermark::{self, Announcement};
+
+pub(super) struct Receiver<'a> {
+    pub local: &'a LocalNode,
+    pub peer: String,
+    pub applier: Applier,
+    pub spool: Spool,
+    pub tracker: StreamTracker,
+    pub progress: Progress,
+    /// The ordinary (non-streamed) transaction being received.
+    pub current: Option<OpenTxn>,
+    /// The streamed transaction whose segment is being received.
+    pub stream_xid: Option<u32>,
+    /// The streamed transaction applied while it arrives (`early.rs`), and
+    /// the publisher's watermark announcement that arrived meanwhile: it
+    /// takes effect after that transaction (installing it settles the
+    /// session, which holds that transaction open).
+    pub streamed_early: Option<StreamedEarly>,
+    pub deferred_announcement: Option<Announcement>,
+}
+
+impl Receiver<'_> {
+    fn spool_err(&self, source: std::io::Error) -> StreamError {
+        StreamError::Spool {
+            peer: self.peer.clone(),
+            source,
+        }
+    }
+
+    fn proto_err(&self, lsn: Lsn, message: String) -> StreamError {
+        StreamError::Protocol {
+            peer: self.peer.clone(),
+            lsn,
+            message,
+        }
+    }
+
+    /// Before the next message: a streamed transaction a conflict or
+    /// failure rolled back is applied at its commit, and an announcement
+    /// held for it takes effect.
+    pub async fn before_next(&mut self) -> Result<(), StreamError> {
+        if self.streamed_early.is_some() && !self.applier.is_early() {
+            self.streamed_early = None;
+        }
+        if self.streamed_early.is_none()
+            && let Some(a) = self.deferred_announcement.take()
+        {
+            announce(
+                &mut self.applier,
+                self.local,
+                &self.peer,
+                &mut self.progress,
+                a,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Every feedback period: early transactions whose publisher fell
+    /// silent are given up; feedback and status go out.
+    pub async fn on_tick(
+        &mut self,
+        stream: &mut mm_proto::client::LogicalReplicationStream,
+    ) -> Result<(), StreamError> {
+        if let Some(open) = self.current.as_mut() {
+            abandon_idle_early(&mut self.applier, &self.peer, open).await?;
+        }
+        if self
+            .streamed_early
+            .as_ref()
+            .is_some_and(StreamedEarly::idle)
+        {
+            warn!(
+                xid = self.streamed_early.as_ref().map_or(0, |e| e.xid),
+                "the publisher stopped sending a streamed transaction being applied while it arrived: rolled back here, applied at its commit"
+            );
+            abandon_streamed(
+                &mut self.applier,
+                &self.peer,
+                &mut self.streamed_early,
+                "idle",
+            )
+            .await?;
+        }
+        let idle = self.current.is_none();
+        send_feedback(
+            &mut self.applier,
+            stream,
+            &mut self.progress,
+            idle,
+            true,
+            &self.peer,
+        )
+        .await?;
+        finished(
+            &mut self.applier,
+            self.local,
+            &self.peer,
+            &mut self.progress,
+        );
+        publish(&self.local.status, &self.peer, &self.progress);
+        Ok(())
+    }
+
+    pub async fn on_keepalive(
+        &mut self,
+        stream: &mut mm_proto::client::LogicalReplicationStream,
+        wal_end: Lsn,
+        reply_requested: bool,
+    ) -> Result<(), StreamError> {
+        self.progress.received = self.progress.received.max(wal_end);
+        // Every transaction sent before this keepalive has been received
+        // and, when none is open or unanswered, applied.
+        if self.current.is_none() && self.stream_xid.is_none() && self.applier.in_flight() == 0 {
+            self.progress.processed = self.progress.processed.max(wal_end);
+            // Not a claim about commit timestamps: during catch-up a
+            // keepalive's send time is "now" while its position is far
+            // behind. The publisher's announcements say that
+            // (`Announcement::at`).
+        }
+        if reply_requested {
+            let idle = self.current.is_none();
+            send_feedback(
+                &mut self.applier,
+                stream,
+                &mut self.progress,
+                idle,
+                false,
+                &self.peer,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// One pgoutput message, dispatched by kind and by where it arrives
+    /// (inside a streamed segment, an ordinary transaction, or neither).
+    pub async fn on_data(
+        &mut self,
+        wal_start: Lsn,
+        wal_end: Lsn,
+        raw: Bytes,
+    ) -> Result<(), StreamError> {
+        self.progress.received = self.progress.received.max(wal_end);
+        let decoded = self
+            .tracker
+            .decode(raw.clone())
+            .map_err(|e| self.proto_err(wal_start, e.to_string()))?;
+        match decoded {
+            Message::Begin(b) => self.on_begin(wal_start, b).await,
+            Message::Commit(c) => self.on_commit(wal_start, c).await,
+            Message::StreamStart(s) => self.on_stream_start(s).await,
+            Message::StreamStop => {
+                self.stream_xid = None;
+                Ok(())
+            }
+            Message::StreamCommit(c) => self.on_stream_commit(c).await,
+            Message::StreamAbort(a) => self.on_stream_abort(a).await,
+            Message::Relation(r) if self.stream_xid.is_some() => {
+                self.on_streamed_relation(wal_start, r, &raw).await
+            }
+            other if self.stream_xid.is_some() => self.on_streamed_change(other, &raw).await,
+            Message::Relation(r) if self.current.is_none() => self
+                .applier
+                .relation(r)
+                .await
+                .map_err(|failure| StreamError::Local {
+                    peer: self.peer.clone(),
+                    failure: Box::new(failure),
+                }),
+            Message::Message(m) if self.current.is_none() && m.prefix == watermark::PREFIX => {
+                self.on_announcement(wal_start, &m.content).await
+            }
+            Message::Origin(_) | Message::Message(_) | Message::Type(_)
+                if self.current.is_none() =>
+            {
+                Ok(())
+            }
+            other @ (Message::Relation(_)
+            | Message::Type(_)
+            | Message::Insert(_)
+            | Message::Update(_)
+            | Message::Delete(_)
+            | Message::Truncate(_)
+            | Message::Message(_)
+            | Message::Origin(_)) => self.on_change(wal_start, other, raw).await,
+            other => Err(self.proto_err(
+                wal_start,
+                format!("{} was not negotiated (two-phase is off)", other.name()),
+            )),
+        }
+    }
+
+    async fn on_begin(&mut self, wal_start: Lsn, b: Begin) -> Result<(), StreamError> {
+        if self.current.is_some() {
+            return Err(self.proto_err(wal_start, "BEGIN inside an open transaction".into()));
+        }
+        // It committed first on the publisher: it must here too.
+        abandon_streamed(
+            &mut self.applier,
+            &self.peer,
+            &mut self.streamed_early,
+            "a transaction committed before it",
+        )
+        .await?;
+        self.current = Some(OpenTxn::new(b));
+        Ok(())
+    }
+
+    async fn on_commit(&mut self, wal_start: Lsn, c: Commit) -> Result<(), StreamError> {
+        let Some(mut open) = self.current.take() else {
+            return Err(self.proto_err(wal_start, "COMMIT without BEGIN".into()));
+        };
+        let meta = TxnMeta {
+            xid: open.begin.xid,
+            commit_lsn: c.commit_lsn,
+            end_lsn: c.end_lsn,
+            commit_ts: c.commit_timestamp,
+        };
+        let early = open.early.take();
+        let body: TxnBody = if open.spilled {
+            let spooled = self
+                .spool
+                .take(open.begin.xid)
+                .map_err(|e| self.spool_err(e))?;
+            match spooled {
+                Some(t) => Arc::new(t),
+                None => Arc::new(InMemory(Arc::new(Vec::new()))),
+            }
+        } else {
+            Arc::new(InMemory(Arc::new(open.msgs)))
+        };
+        match early {
+            Some(rest) => self.commit_early(&meta, body, rest).await?,
+            None => apply_one(&mut self.applier, &self.peer, &meta, body).await?,
+        }
+        self.queued(&meta);
+        Ok(())
+    }
+
+    /// The rest of a transaction applied while it arrived, and its COMMIT.
+    async fn commit_early(
+        &mut self,
+        meta: &TxnMeta,
+        body: TxnBody,
+        rest: Vec<Message>,
+    ) -> Result<(), StreamError> {
+        let was = self
+            .applier
+            .commit_early(meta, body, rest)
+            .await
+            .map_err(|f| apply_err(&self.peer, Some(meta), f))?;
+        if was {
+            self.local.status.update(&self.peer, |s| s.early_txns += 1);
+        }
+        Ok(())
+    }
+
+    /// A transaction was handed to the applier.
+    fn queued(&mut self, meta: &TxnMeta) {
+        self.progress.last_queued = meta.end_lsn;
+        finished(
+            &mut self.applier,
+            self.local,
+            &self.peer,
+            &mut self.progress,
+        );
+    }
+
+    async fn on_stream_start(&mut self, s: StreamStart) -> Result<(), StreamError> {
+        if self.streamed_early.as_ref().is_some_and(|e| e.xid != s.xid) {
+            // It may commit first.
+            abandon_streamed(
+                &mut self.applier,
+                &self.peer,
+                &mut self.streamed_early,
+                "another streamed transaction",
+            )
+            .await?;
+        }
+        if s.first_segment {
+            debug!(
+                xid = s.xid,
+                "streaming an in-progress transaction to the spool"
+            );
+            if self.streamed_early.is_none()
+                && self.current.is_none()
+                && self.spool.streams_open() == 0
+            {
+                self.streamed_early =
+                    StreamedEarly::begin(&mut self.applier, &self.peer, s.xid).await?;
+            }
+        }
+        self.stream_xid = Some(s.xid);
+        Ok(())
+    }
+
+    async fn on_stream_commit(&mut self, c: StreamCommit) -> Result<(), StreamError> {
+        let meta = TxnMeta {
+            xid: c.xid,
+            commit_lsn: c.commit_lsn,
+            end_lsn: c.end_lsn,
+            commit_ts: c.commit_timestamp,
+        };
+        let reader = self.spool.take(c.xid).map_err(|e| self.spool_err(e))?;
+        // Spool reads are buffered (1 MiB) sequential file reads, mostly
+        // from the page cache.
+        let body: TxnBody = match reader {
+            Some(r) => Arc::new(r),
+            None => Arc::new(InMemory(Arc::new(Vec::new()))),
+        };
+        match self.streamed_early.take_if(|e| e.xid == c.xid) {
+            Some(e) => self.commit_early(&meta, body, e.rest()).await?,
+            None => apply_one(&mut self.applier, &self.peer, &meta, body).await?,
+        }
+        self.queued(&meta);
+        Ok(())
+    }
+
+    async fn on_stream_abort(&mut self, a: StreamAbort) -> Result<(), StreamError> {
+        let discarded = self
+            .spool
+            .abort(a.xid, a.subtransaction_xid)
+            .map_err(|e| self.spool_err(e))?;
+        // Applied changes of it are gone on the publisher: the spool
+        // without them is applied at the commit.
+        if self.streamed_early.as_ref().is_some_and(|e| e.xid == a.xid)
+            && (discarded || a.xid == a.subtransaction_xid)
+        {
+            abandon_streamed(
+                &mut self.applier,
+                &self.peer,
+                &mut self.streamed_early,
+                "aborted in part",
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn on_streamed_relation(
+        &mut self,
+        wal_start: Lsn,
+        r: Relation,
+        raw: &[u8],
+    ) -> Result<(), StreamError> {
+        // Like PostgreSQL's apply worker: update the relation map now AND
+        // keep the message in the spool for replay.
+        let xid = self.stream_xid.unwrap_or_default();
+        let sub = r.xid.unwrap_or(xid);
+        spool_append(
+            &mut self.spool,
+            &self.peer,
+            xid,
+            sub,
+            raw,
+            &self.local.status,
+        )?;
+        // In order with its changes queued so far.
+        if let Some(e) = self.streamed_early.as_mut().filter(|e| e.xid == xid) {
+            e.push(&mut self.applier, &self.peer, Message::Relation(r.clone()))
+                .await?;
+            e.flush(&mut self.applier, &self.peer).await?;
+            if self.applier.is_early() {
+                return Ok(());
+            }
+        }
+        self.applier
+            .relation(r)
+            .await
+            .map_err(|failure| StreamError::Apply {
+                peer: self.peer.clone(),
+                xid,
+                lsn: wal_start,
+                failure: Box::new(failure),
+            })
+    }
+
+    async fn on_streamed_change(&mut self, m: Message, raw: &[u8]) -> Result<(), StreamError> {
+        let xid = self.stream_xid.unwrap_or_default();
+        let sub = m.stream_xid().unwrap_or(xid);
+        spool_append(
+            &mut self.spool,
+            &self.peer,
+            xid,
+            sub,
+            raw,
+            &self.local.status,
+        )?;
+        if let Some(e) = self.streamed_early.as_mut().filter(|e| e.xid == xid) {
+            e.push(&mut self.applier, &self.peer, m).await?;
+        }
+        Ok(())
+    }
+
+    async fn on_announcement(&mut self, wal_start: Lsn, content: &[u8]) -> Result<(), StreamError> {
+        match Announcement::decode(content) {
+            Ok(a) if a.node == self.peer && self.streamed_early.is_some() => {
+                self.deferred_announcement = Some(a);
+            }
+            Ok(a) if a.node == self.peer => {
+                announce(
+                    &mut self.applier,
+                    self.local,
+                    &self.peer,
+                    &mut self.progress,
+                    a,
+                )
+                .await?;
+            }
+            // Relayed or foreign: not this publisher's word.
+            Ok(_) => {}
+            Err(e) => {
+                warn!(lsn = %wal_start, error = %e, "ignoring a malformed watermark")
+            }
+        }
+        Ok(())
+    }
+
+    /// A change (or relation, type, origin, message) of the ordinary
+    /// transaction being received.
+    async fn on_change(
+        &mut self,
+        wal_start: Lsn,
+        m: Message,
+        raw: Bytes,
+    ) -> Result<(), StreamError> {
+        let Some(open) = self.current.as_mut() else {
+            return Err(self.proto_err(wal_start, format!("{} outside a transaction", m.name())));
+        };
+        if let Err(e) = open.push(m, raw, &mut self.spool) {
+            return Err(self.spool_err(e));
+        }
+        apply_early(&mut self.applier, &self.peer, open).await
+    }
+}
