@@ -196,10 +196,8 @@ pub struct Applier {
     wal_positions: Statement,
     /// End LSN of the last remote transaction committed here.
     pub(super) last_applied: Lsn,
-    /// (remote position applied, local WAL insert position when it was
-    /// sampled): once local WAL is flushed past the second, the first is durable.
-    unflushed: VecDeque<(Lsn, Lsn)>,
-    durable: Lsn,
+    /// Which applied position may be reported as flushed (`durable.rs`).
+    durability: super::durable::DurabilityGate,
     /// A BEGIN was sent whose COMMIT was not: only then is there anything
     /// to roll back (a ROLLBACK outside a transaction makes PostgreSQL log
     /// a warning, once per conflict).
@@ -336,8 +334,7 @@ impl Applier {
             commit,
             wal_positions,
             last_applied: start,
-            unflushed: VecDeque::new(),
-            durable: Lsn::INVALID,
+            durability: Default::default(),
             txn_open: false,
             early: None,
             careful_stmts: std::sync::Mutex::new(HashMap::new()),
@@ -513,21 +510,7 @@ impl Applier {
         if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
             self.routine_fast = n;
         }
-        if self
-            .unflushed
-            .back()
-            .is_none_or(|(r, _)| *r < self.last_applied)
-        {
-            self.unflushed.push_back((self.last_applied, insert));
-        }
-        while let Some(&(remote, local)) = self.unflushed.front() {
-            if local > flush {
-                break;
-            }
-            self.durable = self.durable.max(remote);
-            self.unflushed.pop_front();
-        }
-        Ok(self.durable)
+        Ok(self.durability.observe(self.last_applied, insert, flush))
     }
 
     /// Applies a relation description that arrived outside a transaction.

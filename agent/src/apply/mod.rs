@@ -23,6 +23,7 @@ mod applier;
 mod careful;
 mod compensation;
 mod deferred;
+mod durable;
 mod early;
 mod fast;
 mod fk;
