@@ -404,24 +404,6 @@ async fn announce(
     Ok(())
 }
 
-fn spool_append(
-    spool: &mut Spool,
-    peer: &str,
-    xid: u32,
-    sub: u32,
-    raw: &[u8],
-    status: &StatusRegistry,
-) -> Result<(), StreamError> {
-    spool
-        .append(xid, sub, raw)
-        .map_err(|source| StreamError::Spool {
-            peer: peer.to_owned(),
-            source,
-        })?;
-    status.update(peer, |s| s.streamed_bytes += raw.len() as u64);
-    Ok(())
-}
-
 /// The stream error for a failed transaction: the failure names the
 /// transaction when pipelining had already moved past it.
 fn apply_err(peer: &str, queued: Option<&TxnMeta>, failure: ApplyFailure) -> StreamError {

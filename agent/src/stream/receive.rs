@@ -22,7 +22,7 @@ use super::early::{StreamedEarly, abandon_idle_early, abandon_streamed, apply_ea
 use super::spool::Spool;
 use super::{
     LocalNode, OpenTxn, Progress, StreamError, announce, apply_err, apply_one, finished, publish,
-    send_feedback, spool_append,
+    send_feedback,
 };
 use crate::apply::{Applier, InMemory, TxnBody, TxnMeta};
 use crate::watermark::{self, Announcement};
@@ -374,16 +374,7 @@ impl Receiver<'_> {
     ) -> Result<(), StreamError> {
         // Like PostgreSQL's apply worker: update the relation map now AND
         // keep the message in the spool for replay.
-        let xid = self.stream_xid.unwrap_or_default();
-        let sub = r.xid.unwrap_or(xid);
-        spool_append(
-            &mut self.spool,
-            &self.peer,
-            xid,
-            sub,
-            raw,
-            &self.local.status,
-        )?;
+        let xid = self.spool_streamed(r.xid, raw)?;
         // In order with its changes queued so far.
         if let Some(e) = self.streamed_early.as_mut().filter(|e| e.xid == xid) {
             e.push(&mut self.applier, &self.peer, Message::Relation(r.clone()))
@@ -404,17 +395,22 @@ impl Receiver<'_> {
             })
     }
 
-    async fn on_streamed_change(&mut self, m: Message, raw: &[u8]) -> Result<(), StreamError> {
+    /// Appends a message of the streamed segment being received to the
+    /// spool, under its subtransaction (`sub`, else the transaction), and
+    /// returns the transaction's xid.
+    fn spool_streamed(&mut self, sub: Option<u32>, raw: &[u8]) -> Result<u32, StreamError> {
         let xid = self.stream_xid.unwrap_or_default();
-        let sub = m.stream_xid().unwrap_or(xid);
-        spool_append(
-            &mut self.spool,
-            &self.peer,
-            xid,
-            sub,
-            raw,
-            &self.local.status,
-        )?;
+        self.spool
+            .append(xid, sub.unwrap_or(xid), raw)
+            .map_err(|e| self.spool_err(e))?;
+        self.local
+            .status
+            .update(&self.peer, |s| s.streamed_bytes += raw.len() as u64);
+        Ok(xid)
+    }
+
+    async fn on_streamed_change(&mut self, m: Message, raw: &[u8]) -> Result<(), StreamError> {
+        let xid = self.spool_streamed(m.stream_xid(), raw)?;
         if let Some(e) = self.streamed_early.as_mut().filter(|e| e.xid == xid) {
             e.push(&mut self.applier, &self.peer, m).await?;
         }
