@@ -31,7 +31,7 @@ pub fn render(registry: &StatusRegistry) -> String {
     let streams = registry.snapshot();
     let mut out = String::new();
     type Getter = fn(&StreamStatus) -> Option<f64>;
-    let families: [(&str, &str, &str, Getter); 11] = [
+    let families: [(&str, &str, &str, Getter); 12] = [
         (
             "mm_stream_state",
             "gauge",
@@ -91,6 +91,12 @@ pub fn render(registry: &StatusRegistry) -> String {
             "counter",
             "fast-path attempts rolled back for a conflict before the careful path applied them",
             |s| Some(s.conflict_rollbacks as f64),
+        ),
+        (
+            "mm_stream_conflicts_in_place_total",
+            "counter",
+            "conflicts on hot keys settled inside a fast-path statement (no rollback, no careful path)",
+            |s| Some(s.conflicts_in_place as f64),
         ),
         (
             "mm_stream_processed_lsn",

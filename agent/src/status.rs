@@ -80,6 +80,7 @@ impl StatusRegistry {
             streamed_bytes: 0,
             early_txns: 0,
             conflict_rollbacks: 0,
+            conflicts_in_place: 0,
             error_kind: None,
             stuck_lsn: None,
             stuck_commit_ts: None,

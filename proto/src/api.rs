@@ -54,6 +54,11 @@ pub struct StreamStatus {
     /// on a key that just conflicted skip the attempt (apply/hot.rs).
     #[serde(default)]
     pub conflict_rollbacks: u64,
+    /// Conflicts on keys that just conflicted settled inside the fast
+    /// path's own statement, pipelined, with neither a rolled-back attempt
+    /// nor the careful path (also counted in `conflicts`).
+    #[serde(default)]
+    pub conflicts_in_place: u64,
     /// Whether the last error will go away by itself (a connection, a
     /// restart) or needs an operator (a transaction that cannot be applied).
     #[serde(default)]

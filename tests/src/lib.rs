@@ -15,6 +15,7 @@ mod procs;
 pub mod rng;
 mod sweep;
 mod user;
+pub mod versions;
 pub mod wal;
 
 use std::path::PathBuf;

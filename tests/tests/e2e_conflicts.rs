@@ -623,8 +623,9 @@ async fn lww_delete_then_later_update() -> Result<()> {
 
 /// Five updates of one key from A meet B's newer update on B, one after
 /// another: five conflicts, each judged against B's row. Only the first
-/// is found by a fast-path attempt that is rolled back; the rest go to the
-/// careful path directly, their key having just conflicted (`hot.rs`).
+/// is found by a fast-path attempt that is rolled back; the rest, their
+/// key having just conflicted (`hot.rs`), settle it inside their own
+/// fast-path statement (`sql::fast_update_in_place`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lww_repeated_conflicts_on_one_key_roll_back_the_fast_path_once() -> Result<()> {
     mm_tests::init_tracing();
@@ -675,6 +676,64 @@ async fn lww_repeated_conflicts_on_one_key_roll_back_the_fast_path_once() -> Res
     let s = c.stream_status(&names[0], &names[1]).await?;
     assert_eq!(s["conflicts"]["update_origin_differs"], 5, "{s}");
     assert_eq!(s["conflict_rollbacks"], 1, "{s}");
+    assert_eq!(s["conflicts_in_place"], 4, "{s}");
+    Ok(())
+}
+
+/// Updates of one key alternate between A and B while both streams are
+/// paused. After the first conflict in each direction the key is hot and
+/// every later conflict on it is settled in place, keeping the local row
+/// or taking the incoming one exactly as the careful path would: the same
+/// winners, the same conflict log (each judged against the receiver's
+/// newest version), identical nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lww_conflicts_on_a_hot_key_are_settled_in_place_both_ways() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = pair("lip");
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let a0 = write(&c, 0, "UPDATE t SET v = 'a0' WHERE id = 1").await?;
+    let b1 = write(&c, 1, "UPDATE t SET v = 'b1' WHERE id = 1").await?;
+    let a2 = write(&c, 0, "UPDATE t SET v = 'a2' WHERE id = 1").await?;
+    let b3 = write(&c, 1, "UPDATE t SET v = 'b3' WHERE id = 1").await?;
+    let a4 = write(&c, 0, "UPDATE t SET v = 'a4' WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+
+    let key = r#"{"id": 1}"#;
+    let odd = "update_origin_differs";
+    assert_rows(&c, 0, DUMP_T, &[&["1", "a4"]]).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", "a4"]]).await?;
+    // On B, A's changes meet b3: older ones lose, a4 wins.
+    assert_log(
+        &c,
+        1,
+        vec![
+            logged(odd, "public.t", key, Some(&b3), &a0, "keep_local"),
+            logged(odd, "public.t", key, Some(&b3), &a2, "keep_local"),
+            logged(odd, "public.t", key, Some(&b3), &a4, "apply_remote"),
+        ],
+    )
+    .await?;
+    // On A, B's changes meet a4 and lose.
+    assert_log(
+        &c,
+        0,
+        vec![
+            logged(odd, "public.t", key, Some(&a4), &b1, "keep_local"),
+            logged(odd, "public.t", key, Some(&a4), &b3, "keep_local"),
+        ],
+    )
+    .await?;
+    let into_b = c.stream_status(&names[0], &names[1]).await?;
+    assert_eq!(into_b["conflicts"][odd], 3, "{into_b}");
+    assert_eq!(into_b["conflict_rollbacks"], 1, "{into_b}");
+    assert_eq!(into_b["conflicts_in_place"], 2, "{into_b}");
+    let into_a = c.stream_status(&names[1], &names[0]).await?;
+    assert_eq!(into_a["conflicts"][odd], 2, "{into_a}");
+    assert_eq!(into_a["conflict_rollbacks"], 1, "{into_a}");
+    assert_eq!(into_a["conflicts_in_place"], 1, "{into_a}");
+    c.assert_same(DUMP_T).await?;
     Ok(())
 }
 

@@ -34,6 +34,17 @@ const POOL: &[&str] = &[
     "e",
     "tb",
     "c",
+    "n",
+    "lg",
+    "mm_c",
+    "mm_d",
+    "mm_p",
+    "mm_row",
+    "mm_ts",
+    "mm_origin",
+    "mm_routine",
+    "mm_decision",
+    "conflict_log",
     "cols",
     "key",
     "value",
@@ -429,5 +440,102 @@ async fn run(c: &TestCluster, ts: &[Table], rng: &mut Rng) -> Result<()> {
             t.key
         );
     }
+    hot_key_in_place(c, ts, rng).await
+}
+
+/// Updates of key 5 alternate between the nodes while both streams are
+/// paused: A u1, B u2, A u3, B u4. The first conflict in each direction
+/// makes the key hot; the second is settled inside the fast-path statement
+/// (`sql::fast_update_in_place`, which names its own CTEs and columns next
+/// to the user's): on B u3 loses to u4, on A u4 beats u3. The logged rows
+/// are the real rows, and u4 is everywhere.
+async fn hot_key_in_place(c: &TestCluster, ts: &[Table], rng: &mut Rng) -> Result<()> {
+    let before = |s: &Value| s["conflicts_in_place"].as_u64().unwrap_or(0);
+    let (a_before, b_before) = (
+        before(&c.stream_status("hid2", "hid1").await?),
+        before(&c.stream_status("hid1", "hid2").await?),
+    );
+    c.pause("hid1", "hid2").await?;
+    c.pause("hid2", "hid1").await?;
+    let mut vals = Vec::new();
+    for t in ts {
+        let u: Vec<Vals> = (1..=4)
+            .map(|k| random_vals(rng, t, &format!("u{k}")))
+            .collect();
+        vals.push(u);
+    }
+    for k in 0..4 {
+        for (t, u) in ts.iter().zip(&vals) {
+            c.pg[k % 2].execute(&t.update(5, &u[k])).await?;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.resume("hid1", "hid2").await?;
+    c.resume("hid2", "hid1").await?;
+    c.wait_sync(90).await?;
+    for (t, u) in ts.iter().zip(&vals) {
+        let rows = c.assert_same(&t.dump()).await?;
+        let five: Vec<&Vec<Option<String>>> = rows
+            .iter()
+            .filter(|r| r[0].as_deref() == Some("5"))
+            .collect();
+        let mut want = vec![Some("5".to_owned())];
+        want.extend(u[3].iter().cloned());
+        ensure!(
+            five == [&want],
+            "table {:?}: key 5 is {five:?}, want u4 {want:?}",
+            t.name
+        );
+        let j = |k: usize| t.json(5, &u[k]);
+        // (resolution, local, remote) in the order the changes were made.
+        for (node, expect) in [
+            (1, [("keep_local", j(3), j(0)), ("keep_local", j(3), j(2))]),
+            (
+                0,
+                [("keep_local", j(2), j(1)), ("apply_remote", j(2), j(3))],
+            ),
+        ] {
+            let got = c
+                .rows(
+                    node,
+                    &format!(
+                        "SELECT resolution, local_tuple::text, remote_tuple::text FROM mm.conflict_log \
+                         WHERE relation = {} AND conflict_type = 'update_origin_differs' \
+                         AND key = jsonb_build_object({}, 5) ORDER BY remote_commit_ts",
+                        ql(&format!("public.{}", t.name)),
+                        ql(&t.key)
+                    ),
+                )
+                .await?;
+            ensure!(
+                got.len() == 2,
+                "table {:?} on node {node}: {} conflicts on key 5, want 2: {got:?}",
+                t.name,
+                got.len()
+            );
+            for (row, (res, local, remote)) in got.iter().zip(&expect) {
+                let parse = |v: &Option<String>| -> Option<Value> {
+                    v.as_deref().and_then(|s| serde_json::from_str(s).ok())
+                };
+                ensure!(
+                    row[0].as_deref() == Some(*res),
+                    "table {:?} on node {node}: resolution {:?}, want {res}",
+                    t.name,
+                    row[0]
+                );
+                expect_tuple("hot key local", &parse(&row[1]), local)?;
+                expect_tuple("hot key remote", &parse(&row[2]), remote)?;
+            }
+        }
+    }
+    // The second conflict of each table's key, in each direction, was
+    // settled in place.
+    let n = ts.len() as u64;
+    let a = before(&c.stream_status("hid2", "hid1").await?) - a_before;
+    let b = before(&c.stream_status("hid1", "hid2").await?) - b_before;
+    ensure!(
+        a == n && b == n,
+        "conflicts settled in place: {a} into A, {b} into B, want {n} each"
+    );
     Ok(())
 }

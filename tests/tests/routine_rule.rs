@@ -9,12 +9,7 @@ use anyhow::{Context, Result, ensure};
 use chrono::{DateTime, Utc};
 use mm_agent::conflict::routine::{VersionFacts, no_resolver_needed};
 use mm_tests::PgNode;
-
-fn ts(s: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(s)
-        .map(|t| t.with_timezone(&Utc))
-        .unwrap_or_default()
-}
+use mm_tests::versions::{utc as ts, write_under_origin};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_and_rust_routine_tests_agree() -> Result<()> {
@@ -35,15 +30,7 @@ async fn sql_and_rust_routine_tests_agree() -> Result<()> {
         (2, "mm_a", "2026-01-01 00:00:10+00"),
         (3, "mm_b", "2026-01-01 00:00:20+00"),
     ] {
-        let s = pg.connect().await?;
-        s.batch_execute(&format!(
-            "SELECT pg_replication_origin_session_setup('{origin}');
-             BEGIN;
-             SELECT pg_replication_origin_xact_setup('0/0', '{at}');
-             INSERT INTO t VALUES ({id});
-             COMMIT;"
-        ))
-        .await?;
+        write_under_origin(&pg, origin, at, &format!("INSERT INTO t VALUES ({id})")).await?;
     }
     let ids = c
         .query(

@@ -531,14 +531,21 @@ impl Applier {
     pub async fn apply(&mut self, meta: &TxnMeta, body: TxnBody) -> Result<(), ApplyFailure> {
         self.queued
             .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
-        if self.streak > 0 && self.touches_hot_key(meta, &body) {
+        let hot = match self.streak {
+            0 => None,
+            _ => self.hot_route(meta, &body),
+        };
+        if hot == Some(super::recover::HotRoute::Careful) {
             self.streak -= 1;
             return self.apply_hot(meta, &body).await;
         }
         let mut r = self.queue_fast(meta, &body).await;
         // Right after a conflict, more are likely (hot rows): wait for each
         // transaction's reply, so the next conflict rolls back only itself.
-        if r.is_ok() && self.streak > 0 {
+        // One that settles its conflict in place stays pipelined: with
+        // dense conflicts on many keys, every first conflict of a key would
+        // otherwise keep the whole stream one transaction at a time.
+        if r.is_ok() && self.streak > 0 && hot.is_none() {
             self.streak -= 1;
             r = self.settle(0).await;
         }

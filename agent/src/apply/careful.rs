@@ -294,6 +294,7 @@ impl Applier {
             conflicts: out.conflicts,
             routine: 0,
             rolled_back,
+            in_place: 0,
         });
         Ok(())
     }

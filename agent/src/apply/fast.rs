@@ -466,11 +466,22 @@ impl Applier {
         if super::careful::key_changed(rel, &upd, &match_params) {
             return Err(ApplyFailure::to_careful(Some(&display), "a key change"));
         }
+        // A key that just conflicted (`hot.rs`): the statement settles the
+        // conflict itself when it can.
+        let in_place = !match_mask.contains(&true)
+            && self.resolves_in_place(&txn, &upd)
+            && self
+                .hot
+                .contains(super::hot::fingerprint(upd.relation_oid, &match_params));
+        let rel = self.rel(upd.relation_oid)?;
         let loc_params = match_params.len();
         params.extend(match_params);
         params.extend(guard.iter().cloned());
+        if in_place {
+            params.extend(self.in_place_params(&txn, &display));
+        }
         let commit = commit_at(&mut params, progress);
-        let key = (set_mask, match_mask, commit);
+        let key = (set_mask, match_mask, commit, in_place);
         let stmt = match rel.update.get(&key) {
             Some(s) => s.clone(),
             None => {
@@ -481,13 +492,19 @@ impl Applier {
                     .filter(|(_, skip)| !**skip)
                     .map(|(n, _)| n.as_str())
                     .collect();
-                let text = sql::fast_update(
-                    &rel.table_sql,
-                    &set_cols,
-                    &masked_locator(rel, &key.1),
-                    loc_params,
-                    commit,
-                );
+                let text = match rel.key_names() {
+                    Some(keys) if in_place => {
+                        let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
+                        sql::fast_update_in_place(&rel.table_sql, &set_cols, &types, &keys, commit)
+                    }
+                    _ => sql::fast_update(
+                        &rel.table_sql,
+                        &set_cols,
+                        &masked_locator(rel, &key.1),
+                        loc_params,
+                        commit,
+                    ),
+                };
                 let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
                     .update
@@ -495,7 +512,31 @@ impl Applier {
                 s
             }
         };
-        push_row(1, pipe, &stmt, params, OpKind::Update, display, txn, commit).await
+        let kind = if in_place {
+            OpKind::UpdateInPlace
+        } else {
+            OpKind::Update
+        };
+        push_row(1, pipe, &stmt, params, kind, display, txn, commit).await
+    }
+
+    /// `sql::IN_PLACE_PARAMS`: what a resolving UPDATE logs and compares
+    /// with, the origin names as the careful path knows them (`origins`).
+    fn in_place_params(&self, txn: &TxnMeta, display: &str) -> [Param; sql::IN_PLACE_PARAMS] {
+        let (ids, names): (Vec<u32>, Vec<String>) = self
+            .origins
+            .iter()
+            .filter(|(id, _)| **id != 0)
+            .map(|(id, n)| (*id, n.clone()))
+            .unzip();
+        [
+            Param::text(display),
+            Param::text(txn.commit_lsn.to_string()),
+            Param::text(self.ctx.peer.clone()),
+            Param::text(self.ctx.local_node.clone()),
+            Param::oid_array(&ids),
+            Param::text_array(&names),
+        ]
     }
 
     pub(super) async fn delete(

@@ -9,14 +9,21 @@
 //! ("check, then apply"). Only the route changes: a key that is no longer
 //! contended is applied there as a routine change, with the same outcome
 //! the fast path would have had.
+//!
+//! An update of such a key that `resolvable_in_place` allows goes neither
+//! way: it stays on the fast path, pipelined, as a statement that resolves
+//! its own conflict (`sql::fast_update_in_place`), so dense conflicts cost
+//! about one statement each instead of a rolled-back attempt or a careful
+//! transaction's round trips.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use mm_proto::pgoutput::Message;
+use mm_proto::pgoutput::{ColumnValue, Message, Update};
 
 use super::Param;
 use super::relation::LocalRelation;
+use super::sql::Locator;
 use super::tuple::locate;
 
 /// Keys remembered; the set starts over when full (it only steers routing).
@@ -55,9 +62,31 @@ pub(super) fn key_of(rel: &LocalRelation, change: &Message) -> Option<u64> {
     Some(fingerprint(oid, &params))
 }
 
+/// Whether the conflict an update of a hot key may meet can be settled in
+/// its own statement (`sql::fast_update_in_place`, for a last-writer-wins
+/// table): its commit timestamp is known (not a streamed transaction
+/// applied before its commit: the decision needs it), it keeps its key
+/// (no old tuple: a key change is a delete and an insert, `careful_move`),
+/// the row is found by a key, and every column is sent and settable (the
+/// statement logs the whole incoming row, and an unchanged-TOAST value must
+/// be completed from the publisher first, which only the careful path does).
+/// Everything else about the change is checked by the statement itself.
+pub(super) fn resolvable_in_place(rel: &LocalRelation, upd: &Update, commit_known: bool) -> bool {
+    commit_known
+        && upd.old.is_none()
+        && matches!(rel.locator, Locator::Key(_))
+        && upd.new.columns.len() == rel.local_names.len()
+        && upd
+            .new
+            .columns
+            .iter()
+            .all(|c| matches!(c, ColumnValue::Text(_) | ColumnValue::Null))
+        && !rel.always_identity.contains(&true)
+}
+
 /// Equal for equal (relation, key values); each value is hashed with its
 /// kind and length, so values never run into each other.
-fn fingerprint(oid: u32, key: &[Param]) -> u64 {
+pub(super) fn fingerprint(oid: u32, key: &[Param]) -> u64 {
     let mut h = DefaultHasher::new();
     oid.hash(&mut h);
     for p in key {

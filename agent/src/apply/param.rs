@@ -85,6 +85,11 @@ impl Param {
         })
     }
 
+    /// For `text[]` (one dimension, no NULLs).
+    pub fn text_array(v: &[String]) -> Param {
+        Self::array(Type::TEXT.oid(), v, |x, b| types::text_to_sql(x, b))
+    }
+
     fn array<T>(element_type: u32, v: &[T], put: impl Fn(&T, &mut BytesMut)) -> Param {
         let mut b = BytesMut::new();
         let dims = (!v.is_empty()).then(|| types::ArrayDimension {

@@ -10,23 +10,39 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use mm_proto::Lsn;
-use mm_proto::pgoutput::Message;
+use mm_proto::pgoutput::{Message, Update};
 
 use super::ApplyFailure;
 use super::applier::{Applier, TxnBody, TxnMeta, Watermark};
+use crate::conflict::ResolverChoice;
+
+/// How `recover` applies a rolled-back transaction again, unless it stays
+/// pipelined (it settles its conflict in place).
+enum Redo {
+    Careful { rolled_back: bool },
+    OneAtATime,
+}
+
+/// The route of a single-change transaction on a key that just conflicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HotRoute {
+    /// The careful path directly: a fast attempt would be rolled back.
+    Careful,
+    /// The fast path, pipelined, with the conflict settled in the statement
+    /// (`sql::fast_update_in_place`).
+    InPlace,
+}
 
 /// Transactions applied one at a time after a conflict (see `apply`).
 pub(super) const CONFLICT_STREAK: u32 = 64;
 
 impl Applier {
-    /// Whether `body` is one change to a key that just conflicted.
-    pub(super) fn touches_hot_key(&self, meta: &TxnMeta, body: &TxnBody) -> bool {
-        !self.skips.contains(&meta.commit_lsn)
-            && self.single_key(body).is_some_and(|k| self.hot.contains(k))
-    }
-
-    /// The key of `body`'s change when it is its only one (`hot.rs`).
-    pub(super) fn single_key(&self, body: &TxnBody) -> Option<u64> {
+    /// How a transaction whose only change touches a key that just
+    /// conflicted is applied; `None` when it is not one.
+    pub(super) fn hot_route(&self, meta: &TxnMeta, body: &TxnBody) -> Option<HotRoute> {
+        if self.skips.contains(&meta.commit_lsn) {
+            return None;
+        }
         let change = body.single_change()?;
         let oid = match &change {
             Message::Insert(i) => i.relation_oid,
@@ -34,7 +50,25 @@ impl Applier {
             Message::Delete(d) => d.relation_oid,
             _ => return None,
         };
-        super::hot::key_of(self.relations.get(&oid)?, &change)
+        let rel = self.relations.get(&oid)?;
+        if !self.hot.contains(super::hot::key_of(rel, &change)?) {
+            return None;
+        }
+        Some(match &change {
+            Message::Update(u) if self.resolves_in_place(meta, u) => HotRoute::InPlace,
+            _ => HotRoute::Careful,
+        })
+    }
+
+    /// Whether a conflict of `upd` would be settled in its own statement
+    /// when its key is hot (`hot::resolvable_in_place`, for a table whose
+    /// resolver is last-writer-wins).
+    pub(super) fn resolves_in_place(&self, meta: &TxnMeta, upd: &Update) -> bool {
+        self.relations.get(&upd.relation_oid).is_some_and(|rel| {
+            super::hot::resolvable_in_place(rel, upd, meta.commit_known())
+                && matches!(self.ctx.resolvers.for_table(&rel.display),
+                    ResolverChoice::Rust(r) if r.is_last_writer_wins())
+        })
     }
 
     /// A transaction on a hot key: the careful path directly, once
@@ -65,7 +99,7 @@ impl Applier {
     /// in the same order, each once.
     pub async fn recover(&mut self, failure: ApplyFailure) -> Result<(), ApplyFailure> {
         debug_assert!(failure.conflict);
-        let pending = self.roll_back_pipeline().await?;
+        let mut pending = self.roll_back_pipeline().await?;
         if let Some(t) = failure.txn
             && pending
                 .front()
@@ -74,35 +108,64 @@ impl Applier {
             tracing::debug!(failed = %t.commit_lsn, "conflict reported behind the first uncommitted transaction");
         }
         let latest = Arc::clone(&self.wm);
-        let mut first = true;
         // The first is the one that met the conflict; the others are applied
         // one at a time: with conflicts dense, queuing them all again would
         // roll them all back again at the next one. Those on a key that just
-        // conflicted go to the careful path without a fast attempt (`hot.rs`).
-        for (m, b, w) in pending {
-            self.wm = Arc::clone(&w);
-            self.queued.push_back((m, Arc::clone(&b), w));
-            // Some(rolled back first): to the careful path.
-            let careful = if std::mem::take(&mut first) {
-                Some(true)
-            } else if self.touches_hot_key(&m, &b) {
-                Some(false)
-            } else {
-                match self.queue_fast(&m, &b).await {
-                    Ok(()) => self.settle(0).await,
-                    Err(f) => Err(f),
+        // conflicted go to the careful path without a fast attempt, or stay
+        // pipelined when they settle their conflict in place (`hot.rs`).
+        // Any conflict met on the way rolls back everything uncommitted
+        // again; the first of it, the one that met it, goes careful.
+        let mut first = true;
+        loop {
+            while let Some((m, b, w)) = pending.pop_front() {
+                self.wm = Arc::clone(&w);
+                self.queued.push_back((m, Arc::clone(&b), w));
+                let route = if std::mem::take(&mut first) {
+                    Some(Redo::Careful { rolled_back: true })
+                } else {
+                    match self.hot_route(&m, &b) {
+                        Some(HotRoute::Careful) => Some(Redo::Careful { rolled_back: false }),
+                        Some(HotRoute::InPlace) => None,
+                        None => Some(Redo::OneAtATime),
+                    }
+                };
+                let r = match route {
+                    // Pipelined: settled with the next one that is not.
+                    None => self.queue_fast(&m, &b).await,
+                    Some(Redo::OneAtATime) => match self.queue_fast(&m, &b).await {
+                        Ok(()) => self.settle(0).await,
+                        Err(f) => Err(f),
+                    },
+                    Some(Redo::Careful { rolled_back }) => match self.settle(0).await {
+                        Ok(()) => {
+                            // Only this transaction is queued uncommitted.
+                            let again = self.roll_back_pipeline().await?;
+                            self.queued.extend(again);
+                            self.apply_careful(&m, &b, rolled_back).await?;
+                            self.next_expected = m.end_lsn;
+                            Ok(())
+                        }
+                        Err(f) => Err(f),
+                    },
+                };
+                match r {
+                    Ok(()) => {}
+                    Err(f) if f.conflict => {
+                        let mut again = self.roll_back_pipeline().await?;
+                        again.extend(pending);
+                        pending = again;
+                        first = true;
+                    }
+                    Err(f) => return Err(f),
                 }
-                .map_or_else(
-                    |f| if f.conflict { Ok(Some(true)) } else { Err(f) },
-                    |()| Ok(None),
-                )?
-            };
-            if let Some(rolled_back) = careful {
-                // Only this transaction is in flight (or nothing).
-                let again = self.roll_back_pipeline().await?;
-                self.queued.extend(again);
-                self.apply_careful(&m, &b, rolled_back).await?;
-                self.next_expected = m.end_lsn;
+            }
+            match self.settle(0).await {
+                Ok(()) => break,
+                Err(f) if f.conflict => {
+                    pending = self.roll_back_pipeline().await?;
+                    first = true;
+                }
+                Err(f) => return Err(f),
             }
         }
         self.wm = latest;

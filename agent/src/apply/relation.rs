@@ -55,8 +55,9 @@ pub struct LocalRelation {
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
     /// pattern has its own statement.
-    /// Also keyed by how the statement commits.
-    pub update: HashMap<(Vec<bool>, Vec<bool>, Commit), Statement>,
+    /// Also keyed by how the statement commits, and whether it resolves a
+    /// conflict in place (`sql::fast_update_in_place`).
+    pub update: HashMap<(Vec<bool>, Vec<bool>, Commit, bool), Statement>,
     /// Keyed by the columns left out of the row match (FULL identity only).
     pub delete: HashMap<(Vec<bool>, Commit), Statement>,
 }

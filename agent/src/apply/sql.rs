@@ -365,6 +365,89 @@ pub fn fast_update(
     format!("WITH u AS ({s}){}", checked_select("u", loc, commit))
 }
 
+/// Parameters a resolving UPDATE (`fast_update_in_place`) takes after the
+/// guard's: relation (`schema.table`), commit LSN, publisher's node name,
+/// this node's name, local origin ids and their node names.
+pub const IN_PLACE_PARAMS: usize = 6;
+
+/// Fast-path UPDATE of a key that just conflicted (`apply/hot.rs`), with
+/// the conflict resolved in the statement instead of by a rolled-back
+/// attempt and the careful path ("check, then apply"): the one conflict it
+/// settles is `update_origin_differs` under last-writer-wins, the row found
+/// by its key, every column sent. It locks the row (`FOR UPDATE`: the
+/// newest committed version, as the careful path's `fetch_rows` reads it),
+/// decides routine / remote wins / local wins by the same rules
+/// (`conflict::routine`, `Conflict::remote_is_later`; names compared
+/// bytewise, `COLLATE "C"`, as Rust compares them), updates only when the
+/// remote change wins and logs the conflict exactly as the careful path
+/// would. Anything else, a row missing, an update that did not take the
+/// locked version, raises `MM001` and the careful path takes over; a
+/// unique collision raises 23505 as on the plain fast path. Its first
+/// column is the number of conflicts it logged (0 or 1).
+///
+/// Params: `$1..$n` every column's new value (`types`), then the key
+/// values, the guard's four, `IN_PLACE_PARAMS`, and the progress
+/// guard's when fused.
+pub fn fast_update_in_place(
+    table: &str,
+    cols: &[&str],
+    types: &[&str],
+    key_cols: &[&str],
+    commit: Commit,
+) -> String {
+    let n = cols.len();
+    let loc = Locator::Key(key_cols.iter().map(|c| (*c).to_owned()).collect());
+    let g = n + key_cols.len() + 1;
+    let (peer_oid, ts, wm_ids, wm_ts) = (g, g + 1, g + 2, g + 3);
+    let e = g + GUARD_PARAMS;
+    let (relation, lsn, peer, local, ids, names) = (e, e + 1, e + 2, e + 3, e + 4, e + 5);
+    let typed = |i: usize| format!("${}::{}", i + 1, types[i]);
+    let mut set = String::new();
+    let mut remote = String::new();
+    for (i, c) in cols.iter().enumerate() {
+        if i > 0 {
+            set.push_str(", ");
+            remote.push_str(", ");
+        }
+        let _ = write!(set, "{} = {}", quote_ident(c), typed(i));
+        let _ = write!(remote, "{} AS {}", typed(i), quote_ident(c));
+    }
+    let mut key_where = String::new();
+    where_clause(table, &loc, n + 1, &mut key_where);
+    let key = key_json(key_cols, |_, c| format!("n.{}", quote_ident(c)));
+    let decision = "(SELECT d.mm_decision FROM mm_d AS d)";
+    format!(
+        "WITH mm_c AS MATERIALIZED (SELECT \
+         mm.routine(r.xmin, ${peer_oid}::oid, ${ts}::timestamptz, ${wm_ids}::oid[], ${wm_ts}::timestamptz[]) AS mm_routine, \
+         o.\"timestamp\" AS mm_ts, \
+         CASE WHEN o.roident = 0 THEN ${local}::text ELSE COALESCE((${names}::text[])[pg_catalog.array_position(${ids}::oid[], o.roident)], \
+         'origin ' || o.roident::text) END AS mm_origin, \
+         pg_catalog.to_jsonb(r.*) AS mm_row \
+         FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS o ON true \
+         WHERE {} FOR UPDATE OF r), \
+         mm_d AS MATERIALIZED (SELECT c.mm_ts, c.mm_origin, c.mm_row, \
+         CASE WHEN c.mm_routine THEN 0 \
+         WHEN ROW(${ts}::timestamptz, ${peer}::text COLLATE \"C\") > ROW(c.mm_ts, c.mm_origin COLLATE \"C\") THEN 1 \
+         ELSE 2 END AS mm_decision FROM mm_c AS c), \
+         u AS (UPDATE {table} SET {set}{key_where} AND {decision} < 2 RETURNING 1), \
+         lg AS (INSERT INTO mm.conflict_log (relation, conflict_type, key, local_origin, local_commit_ts, \
+         remote_origin, remote_commit_ts, remote_lsn, resolution, local_tuple, remote_tuple) \
+         SELECT ${relation}::text, 'update_origin_differs', {key}, d.mm_origin, d.mm_ts, ${peer}::text, \
+         ${ts}::timestamptz, ${lsn}::pg_lsn, \
+         CASE WHEN d.mm_decision = 1 THEN 'apply_remote' ELSE 'keep_local' END, d.mm_row, pg_catalog.to_jsonb(n.*) \
+         FROM mm_d AS d, (SELECT {remote}) AS n WHERE d.mm_decision > 0 RETURNING 1){}",
+        where_alias(&loc, n + 1),
+        final_select(
+            &format!(
+                "CASE WHEN {decision} IS NULL OR ({decision} < 2 AND NOT EXISTS (SELECT FROM u)) \
+                 THEN mm.conflict()::pg_catalog.int4 \
+                 ELSE (SELECT pg_catalog.count(*) FROM lg)::pg_catalog.int4 END"
+            ),
+            commit
+        )
+    )
+}
+
 /// Fast-path DELETE: deletes when `mm.routine` allows and leaves a tombstone
 /// (tables with a key) in the same statement; raises `MM001` otherwise.
 pub fn fast_delete(

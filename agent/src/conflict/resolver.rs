@@ -13,6 +13,14 @@ use super::{Conflict, Resolution};
 
 pub trait Resolver: Send + Sync {
     fn resolve(&self, c: &Conflict) -> Resolution;
+
+    /// True only for a resolver that decides exactly as `LastWriterWins`:
+    /// the fast path then settles `update_origin_differs` on hot keys
+    /// inside its own statement, with that rule written in SQL
+    /// (`apply::sql::fast_update_in_place`), without calling `resolve`.
+    fn is_last_writer_wins(&self) -> bool {
+        false
+    }
 }
 
 /// The later (commit timestamp, node name) wins. Deletes take part through
@@ -26,6 +34,10 @@ impl Resolver for LastWriterWins {
         } else {
             Resolution::KeepLocal
         }
+    }
+
+    fn is_last_writer_wins(&self) -> bool {
+        true
     }
 }
 

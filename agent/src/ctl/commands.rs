@@ -274,6 +274,7 @@ pub fn aggregate(
                 streamed_bytes: None,
                 early_txns: None,
                 conflict_rollbacks: None,
+                conflicts_in_place: None,
                 last_error: None,
                 error_kind: None,
                 stuck_lsn: None,
@@ -298,6 +299,7 @@ pub fn aggregate(
                         p.streamed_bytes = Some(s.streamed_bytes);
                         p.early_txns = Some(s.early_txns);
                         p.conflict_rollbacks = Some(s.conflict_rollbacks);
+                        p.conflicts_in_place = Some(s.conflicts_in_place);
                         p.last_error = s.last_error.clone();
                         p.error_kind = s.error_kind;
                         p.stuck_lsn = s.stuck_lsn;

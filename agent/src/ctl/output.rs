@@ -69,6 +69,9 @@ pub struct PairView {
     /// Fast-path attempts rolled back for a conflict (`conflict_rollbacks`).
     #[serde(default)]
     pub conflict_rollbacks: Option<u64>,
+    /// Conflicts settled inside a fast-path statement (`conflicts_in_place`).
+    #[serde(default)]
+    pub conflicts_in_place: Option<u64>,
     pub last_error: Option<String>,
     /// `transient` (retried until it passes) or `definite` (needs an operator).
     #[serde(default)]

@@ -487,6 +487,7 @@ fn committed(status: &StatusRegistry, peer: &str, progress: &mut Progress, done:
         s.stuck_commit_ts = None;
         s.routine += done.routine;
         s.conflict_rollbacks += u64::from(done.rolled_back);
+        s.conflicts_in_place += done.in_place;
         for (ty, _) in &done.conflicts {
             *s.conflicts.entry((*ty).to_owned()).or_default() += 1;
         }

@@ -843,6 +843,11 @@ pub struct ConflictCounters {
     pub routine: Option<u64>,
     /// mm: transactions applied by both streams.
     pub applied_txns: Option<u64>,
+    /// mm: fast-path attempts rolled back for a conflict
+    /// (`conflict_rollbacks`) and conflicts settled in place
+    /// (`conflicts_in_place`): how conflicts were paid for.
+    pub rollbacks: Option<u64>,
+    pub in_place: Option<u64>,
     /// Streams (mm) or subscriptions (native) not healthy, with their error.
     pub errors: Vec<String>,
 }
@@ -868,6 +873,8 @@ impl ConflictCounters {
             by_type,
             routine: sub(self.routine, before.routine),
             applied_txns: sub(self.applied_txns, before.applied_txns),
+            rollbacks: sub(self.rollbacks, before.rollbacks),
+            in_place: sub(self.in_place, before.in_place),
             errors: self.errors.clone(),
         }
     }
@@ -985,8 +992,14 @@ fn mm_counters(v: &serde_json::Value) -> ConflictCounters {
                     if let Some(n) = m.get("routine").and_then(|v| v.as_u64()) {
                         *c.routine.get_or_insert(0) += n;
                     }
-                    if let Some(n) = m.get("applied_txns").and_then(|v| v.as_u64()) {
-                        *c.applied_txns.get_or_insert(0) += n;
+                    for (key, counter) in [
+                        ("applied_txns", &mut c.applied_txns),
+                        ("conflict_rollbacks", &mut c.rollbacks),
+                        ("conflicts_in_place", &mut c.in_place),
+                    ] {
+                        if let Some(n) = m.get(key).and_then(|v| v.as_u64()) {
+                            *counter.get_or_insert(0) += n;
+                        }
                     }
                     if state != "streaming" {
                         let err = name("last_error").unwrap_or("");
@@ -1230,7 +1243,8 @@ mod tests {
             "nodes": [{"name": "b1", "state": "active"}],
             "pairs": [
                 {"from": "b1", "to": "b2", "state": "streaming", "applied_txns": 10,
-                 "conflicts": {"update_origin_differs": 3, "update_missing": 1}, "routine": 5},
+                 "conflicts": {"update_origin_differs": 3, "update_missing": 1}, "routine": 5,
+                 "conflict_rollbacks": 2, "conflicts_in_place": 1},
                 {"from": "b2", "to": "b1", "state": "error", "last_error": "boom",
                  "applied_txns": 7, "conflicts": {"update_origin_differs": 2}},
             ],
@@ -1240,6 +1254,7 @@ mod tests {
         assert_eq!(c.by_type["update_origin_differs"], 5);
         assert_eq!(c.routine, Some(5));
         assert_eq!(c.applied_txns, Some(17));
+        assert_eq!((c.rollbacks, c.in_place), (Some(2), Some(1)));
         assert_eq!(c.errors, vec!["b2 -> b1: error boom".to_owned()]);
         let old = serde_json::json!({"pairs": [
             {"from": "b1", "to": "b2", "state": "streaming", "applied_txns": 1, "conflicts": {}}]});

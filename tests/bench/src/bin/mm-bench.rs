@@ -391,12 +391,14 @@ fn print_conflicts(label: &str, r: &ConflictResult) {
     );
     let c = &r.conflicts;
     println!(
-        "         conflicts {} ({:.1}% of txns) {:?}; routine {}; applied txns {}",
+        "         conflicts {} ({:.1}% of txns) {:?}; routine {}; applied txns {}; rolled back {}; in place {}",
         c.total(),
         100.0 * r.conflict_rate(),
         c.by_type,
-        c.routine.map_or("n/a".to_owned(), |n| n.to_string()),
-        c.applied_txns.map_or("n/a".to_owned(), |n| n.to_string())
+        na(c.routine),
+        na(c.applied_txns),
+        na(c.rollbacks),
+        na(c.in_place)
     );
     println!(
         "         end state: {}; sum(n) A {} B {} of {} updates",
@@ -825,4 +827,9 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A counter only one system has: "n/a" for the other.
+fn na(n: Option<u64>) -> String {
+    n.map_or("n/a".to_owned(), |n| n.to_string())
 }
