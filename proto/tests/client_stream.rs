@@ -249,6 +249,20 @@ async fn replication_errors() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("22023"), "{err:?}");
+    // The walsender reports that error before its error cleanup releases
+    // the slot: wait for the release, or the next start finds it in use.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while server
+        .psql("SELECT active FROM pg_replication_slots WHERE slot_name = 'mm_err'")
+        .trim()
+        != "f"
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slot mm_err never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // A slot streams to one walsender at a time.
     let mut first = start(&server, "mm_err", false).await;
