@@ -145,6 +145,14 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         .await
         .with_context(|| format!("binding api.listen {}", cfg.api.listen))?;
     info!(node = %name, node_id, listen = %cfg.api.listen, "agent API listening");
+    if cfg.replication.apply_lanes > 1 {
+        tracing::warn!(
+            node = %name,
+            apply_lanes = cfg.replication.apply_lanes,
+            "replication.apply_lanes: parallel apply lanes are not built in this version; \
+             every peer's changes are applied on one session, in commit order"
+        );
+    }
     let state = AppState {
         raft: raft.clone(),
         token: Arc::clone(&token),

@@ -82,6 +82,11 @@ pub struct ReplicationSection {
     /// Default `["public"]`.
     pub schemas: Vec<String>,
     pub synchronous_commit: SyncCommit,
+    /// `replication.apply_lanes`, 1..=64, default 1. SPEC names the key for
+    /// parallel apply sessions per peer; they are not built yet, so the
+    /// agent applies on one session per peer whatever the value, and warns
+    /// at start when it is above 1 (docs/ARCHITECTURE.md, "Apply throughput").
+    pub apply_lanes: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

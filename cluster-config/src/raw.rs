@@ -66,6 +66,17 @@ pub(crate) struct RawReplication {
     pub schemas: Option<Vec<String>>,
     #[serde(default)]
     pub synchronous_commit: Option<String>,
+    /// An integer in TOML, a string from the environment.
+    #[serde(default)]
+    pub apply_lanes: Option<IntOrString>,
+}
+
+/// A number as TOML writes it or as an environment variable carries it.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum IntOrString {
+    Int(i64),
+    Str(String),
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -337,6 +337,30 @@ fn schemas_rules() {
 }
 
 #[test]
+fn apply_lanes_values() {
+    assert_eq!(
+        AgentConfig::from_toml_str(BASE)
+            .unwrap()
+            .replication
+            .apply_lanes,
+        1
+    );
+    let c =
+        AgentConfig::from_toml_str(&format!("{BASE}\n[replication]\napply_lanes = 4\n")).unwrap();
+    assert_eq!(c.replication.apply_lanes, 4);
+    let c = AgentConfig::from_toml_str_with_env(BASE, env(&[("MM_REPLICATION__APPLY_LANES", "8")]))
+        .unwrap();
+    assert_eq!(c.replication.apply_lanes, 8);
+    for bad in ["0", "65", "-1", "\"four\""] {
+        let e = err_of(&format!("{BASE}\n[replication]\napply_lanes = {bad}\n"));
+        assert_invalid(&e, "replication.apply_lanes", bad.trim_matches('"'));
+    }
+    let e = AgentConfig::from_toml_str_with_env(BASE, env(&[("MM_REPLICATION__APPLY_LANES", "x")]))
+        .unwrap_err();
+    assert_invalid(&e, "replication.apply_lanes", "x");
+}
+
+#[test]
 fn synchronous_commit_values() {
     for (s, v) in [
         ("off", SyncCommit::Off),

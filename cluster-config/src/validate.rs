@@ -194,6 +194,22 @@ impl Checker<'_> {
         }
     }
 
+    fn apply_lanes(&self, value: Option<crate::raw::IntOrString>) -> Result<u32, ConfigError> {
+        let key = "replication.apply_lanes";
+        let (text, n) = match value {
+            None => return Ok(1),
+            Some(crate::raw::IntOrString::Int(n)) => (n.to_string(), Some(n)),
+            Some(crate::raw::IntOrString::Str(s)) => {
+                let n = s.trim().parse::<i64>().ok();
+                (s, n)
+            }
+        };
+        match n {
+            Some(n @ 1..=64) => Ok(n as u32),
+            _ => Err(self.invalid(key, &text, "must be an integer from 1 to 64")),
+        }
+    }
+
     fn resolver(&self, key: &str, value: String) -> Result<String, ConfigError> {
         match ResolverSpec::from_str(&value) {
             Ok(_) => Ok(value),
@@ -300,6 +316,7 @@ pub(crate) fn to_agent_config(
     let replication = ReplicationSection {
         schemas: c.schemas(raw.replication.schemas)?,
         synchronous_commit: c.sync_commit(raw.replication.synchronous_commit)?,
+        apply_lanes: c.apply_lanes(raw.replication.apply_lanes)?,
     };
 
     let resolver = c.resolver(
