@@ -545,9 +545,14 @@ impl Applier {
         // One that settles its conflict in place stays pipelined: with
         // dense conflicts on many keys, every first conflict of a key would
         // otherwise keep the whole stream one transaction at a time.
-        if r.is_ok() && self.streak > 0 && hot.is_none() {
+        // It still counts towards the streak's end: a stream whose traffic
+        // is all hot keys would otherwise stay in the streak for good, and
+        // a large transaction is not applied while it arrives during one.
+        if r.is_ok() && self.streak > 0 {
             self.streak -= 1;
-            r = self.settle(0).await;
+            if hot.is_none() {
+                r = self.settle(0).await;
+            }
         }
         match r {
             Err(f) if f.conflict => self.recover(f).await,
