@@ -463,19 +463,19 @@ async fn interrupted_join(kill: Kill) -> Result<()> {
             tokio::time::timeout(Duration::from_secs(150), c.mmctl(0, &args)).await
         }
     };
+    let tail = |i: usize| {
+        c.agents[i]
+            .log()
+            .lines()
+            .filter(|l| !l.contains("DEBUG"))
+            .rev()
+            .take(30)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     let out = match out {
         Ok(r) => r?,
         Err(_) => {
-            let tail = |i: usize| {
-                c.agents[i]
-                    .log()
-                    .lines()
-                    .filter(|l| !l.contains("DEBUG"))
-                    .rev()
-                    .take(30)
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            };
             anyhow::bail!(
                 "add-node after the interruption did not return in 150 s\n--- k4 (newest first) ---\n{}\n--- k1 ---\n{}",
                 tail(3),
@@ -485,8 +485,10 @@ async fn interrupted_join(kill: Kill) -> Result<()> {
     };
     ensure!(
         out.success(),
-        "add-node after the interruption did not finish: {}",
-        out.stderr
+        "add-node after the interruption did not finish: {}\n--- k4 (newest first) ---\n{}\n--- k1 ---\n{}",
+        out.stderr,
+        tail(3),
+        tail(0)
     );
     stop_tx.send(true)?;
     let mut tallies = Vec::new();
