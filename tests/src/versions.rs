@@ -8,6 +8,15 @@ use chrono::{DateTime, Utc};
 
 use crate::PgNode;
 
+/// A PostgreSQL node with the agent's SQL objects installed (schema `mm`,
+/// replicating `public`) and a connection to it.
+pub async fn node_with_schema(name: &str) -> Result<(PgNode, tokio_postgres::Client)> {
+    let pg = PgNode::start(name)?;
+    let c = pg.connect().await?;
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    Ok((pg, c))
+}
+
 /// An RFC 3339 time (a test's own constant; the epoch if it does not parse).
 pub fn utc(s: &str) -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(s)
@@ -28,6 +37,16 @@ pub async fn write_under_origin(pg: &PgNode, origin: &str, at: &str, sql: &str) 
     ))
     .await?;
     Ok(())
+}
+
+/// The commit timestamp of row `id` of table `t` (the tests' table).
+pub async fn commit_ts_of_row(c: &tokio_postgres::Client, id: i32) -> Result<DateTime<Utc>> {
+    Ok(c.query_one(
+        "SELECT pg_xact_commit_timestamp(xmin) FROM t WHERE id = $1",
+        &[&id],
+    )
+    .await?
+    .get(0))
 }
 
 /// Every replication origin of the node: (local id, name without `mm_`).

@@ -14,8 +14,9 @@ use mm_agent::apply::Param;
 use mm_agent::apply::sql::{Commit, fast_update_in_place};
 use mm_agent::conflict::routine::{VersionFacts, no_resolver_needed};
 use mm_agent::conflict::{Conflict, ConflictType, LastWriterWins, Resolution, Resolver};
-use mm_tests::PgNode;
-use mm_tests::versions::{origins, utc as ts, write_under_origin};
+use mm_tests::versions::{
+    commit_ts_of_row, node_with_schema, origins, utc as ts, write_under_origin,
+};
 use tokio_postgres::types::ToSql;
 
 fn micros(t: DateTime<Utc>) -> i64 {
@@ -30,9 +31,7 @@ const LOCAL: &str = "m";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_and_rust_last_writer_wins_agree() -> Result<()> {
     mm_tests::init_tracing();
-    let pg = PgNode::start("ipr")?;
-    let c = pg.connect().await?;
-    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    let (pg, c) = node_with_schema("ipr").await?;
     c.batch_execute(
         "CREATE TABLE t (id int PRIMARY KEY, v text);
          SELECT pg_replication_origin_create('mm_a');
@@ -71,13 +70,7 @@ async fn sql_and_rust_last_writer_wins_agree() -> Result<()> {
     };
     let ids: Vec<u32> = origins.iter().map(|(i, _)| *i).collect();
     let names: Vec<String> = origins.iter().map(|(_, n)| n.clone()).collect();
-    let local_ts: DateTime<Utc> = c
-        .query_one(
-            "SELECT pg_xact_commit_timestamp(xmin) FROM t WHERE id = 1",
-            &[],
-        )
-        .await?
-        .get(0);
+    let local_ts = commit_ts_of_row(&c, 1).await?;
 
     let text = fast_update_in_place(
         "\"public\".\"t\"",

@@ -8,15 +8,12 @@
 use anyhow::{Context, Result, ensure};
 use chrono::{DateTime, Utc};
 use mm_agent::conflict::routine::{VersionFacts, no_resolver_needed};
-use mm_tests::PgNode;
-use mm_tests::versions::{utc as ts, write_under_origin};
+use mm_tests::versions::{commit_ts_of_row, node_with_schema, utc as ts, write_under_origin};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_and_rust_routine_tests_agree() -> Result<()> {
     mm_tests::init_tracing();
-    let pg = PgNode::start("rr")?;
-    let c = pg.connect().await?;
-    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    let (pg, c) = node_with_schema("rr").await?;
     c.batch_execute(
         "CREATE TABLE t (id int PRIMARY KEY);
          SELECT pg_replication_origin_create('mm_a');
@@ -46,13 +43,7 @@ async fn sql_and_rust_routine_tests_agree() -> Result<()> {
         Ok(r.get::<_, i64>(1) as u32)
     };
     let (a, b) = (id_of("mm_a")?, id_of("mm_b")?);
-    let local_ts: DateTime<Utc> = c
-        .query_one(
-            "SELECT pg_xact_commit_timestamp(xmin) FROM t WHERE id = 1",
-            &[],
-        )
-        .await?
-        .get(0);
+    let local_ts = commit_ts_of_row(&c, 1).await?;
 
     let times = [
         ts("2026-01-01T00:00:05Z"),

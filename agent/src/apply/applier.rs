@@ -164,6 +164,10 @@ pub struct Applier {
     pub(super) peer_roident: u32,
     /// Local origin ids -> node names (0 is this node).
     pub(super) origins: HashMap<u32, String>,
+    /// `origins` without this node, as the ids and names parameters of
+    /// `sql::fast_update_in_place`: built when the origins are read, not
+    /// per statement.
+    pub(super) origin_params: (Param, Param),
     /// The publisher's watermark in effect for the transaction being queued.
     pub(super) wm: Arc<Watermark>,
     store_watermark: Statement,
@@ -316,6 +320,7 @@ impl Applier {
             ctx,
             peer_roident: 0,
             origins: HashMap::new(),
+            origin_params: (Param::oid_array(&[]), Param::text_array(&[])),
             wm: Arc::new(Watermark {
                 map: BTreeMap::new(),
                 params: (Param::oid_array(&[]), Param::timestamptz_array(&[])),
@@ -413,6 +418,13 @@ impl Applier {
             let node = name.strip_prefix("mm_").map_or(name.clone(), str::to_owned);
             self.origins.insert(id, node);
         }
+        let (ids, names): (Vec<u32>, Vec<String>) = self
+            .origins
+            .iter()
+            .filter(|(id, _)| **id != 0)
+            .map(|(id, n)| (*id, n.clone()))
+            .unzip();
+        self.origin_params = (Param::oid_array(&ids), Param::text_array(&names));
         Ok(())
     }
 
@@ -693,13 +705,9 @@ impl Applier {
     }
 
     fn in_foreign_key(&self, m: &Message) -> bool {
-        let oid = match m {
-            Message::Insert(i) => i.relation_oid,
-            Message::Update(u) => u.relation_oid,
-            Message::Delete(d) => d.relation_oid,
-            _ => return false,
-        };
-        self.relations.get(&oid).is_some_and(|r| r.fks.is_some())
+        super::hot::relation_of(m)
+            .and_then(|oid| self.relations.get(&oid))
+            .is_some_and(|r| r.fks.is_some())
     }
 
     pub(super) fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {

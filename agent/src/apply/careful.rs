@@ -309,11 +309,8 @@ impl Applier {
             let Ok(Some(msg)) = src.next_message() else {
                 break;
             };
-            let oid = match &msg {
-                Message::Insert(i) => i.relation_oid,
-                Message::Update(u) => u.relation_oid,
-                Message::Delete(d) => d.relation_oid,
-                _ => continue,
+            let Some(oid) = super::hot::relation_of(&msg) else {
+                continue;
             };
             if let Some(k) = self
                 .relations

@@ -468,11 +468,12 @@ impl Applier {
         }
         // A key that just conflicted (`hot.rs`): the statement settles the
         // conflict itself when it can.
+        // Cheapest test first: every UPDATE passes here.
         let in_place = !match_mask.contains(&true)
-            && self.resolves_in_place(&txn, &upd)
             && self
                 .hot
-                .contains(super::hot::fingerprint(upd.relation_oid, &match_params));
+                .contains(super::hot::fingerprint(upd.relation_oid, &match_params))
+            && self.resolves_in_place(&txn, &upd);
         let rel = self.rel(upd.relation_oid)?;
         let loc_params = match_params.len();
         params.extend(match_params);
@@ -523,19 +524,13 @@ impl Applier {
     /// `sql::IN_PLACE_PARAMS`: what a resolving UPDATE logs and compares
     /// with, the origin names as the careful path knows them (`origins`).
     fn in_place_params(&self, txn: &TxnMeta, display: &str) -> [Param; sql::IN_PLACE_PARAMS] {
-        let (ids, names): (Vec<u32>, Vec<String>) = self
-            .origins
-            .iter()
-            .filter(|(id, _)| **id != 0)
-            .map(|(id, n)| (*id, n.clone()))
-            .unzip();
         [
             Param::text(display),
             Param::text(txn.commit_lsn.to_string()),
             Param::text(self.ctx.peer.clone()),
             Param::text(self.ctx.local_node.clone()),
-            Param::oid_array(&ids),
-            Param::text_array(&names),
+            self.origin_params.0.clone(),
+            self.origin_params.1.clone(),
         ]
     }
 

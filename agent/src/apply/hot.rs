@@ -45,6 +45,16 @@ impl HotKeys {
     }
 }
 
+/// The relation a row change (insert, update, delete) is for.
+pub(super) fn relation_of(change: &Message) -> Option<u32> {
+    match change {
+        Message::Insert(i) => Some(i.relation_oid),
+        Message::Update(u) => Some(u.relation_oid),
+        Message::Delete(d) => Some(d.relation_oid),
+        _ => None,
+    }
+}
+
 /// A fingerprint of the row a change targets: its relation and the values
 /// that locate it, as the publisher sent them. `None` when the change has
 /// no key of its own (REPLICA IDENTITY FULL without an index).

@@ -44,13 +44,7 @@ impl Applier {
             return None;
         }
         let change = body.single_change()?;
-        let oid = match &change {
-            Message::Insert(i) => i.relation_oid,
-            Message::Update(u) => u.relation_oid,
-            Message::Delete(d) => d.relation_oid,
-            _ => return None,
-        };
-        let rel = self.relations.get(&oid)?;
+        let rel = self.relations.get(&super::hot::relation_of(&change)?)?;
         if !self.hot.contains(super::hot::key_of(rel, &change)?) {
             return None;
         }
