@@ -655,6 +655,11 @@ impl Applier {
         self.pipe.as_ref().map_or(0, Pipeline::in_flight)
     }
 
+    /// See `Pipeline::wants_more`; true when nothing is in flight.
+    pub fn wants_more(&self) -> bool {
+        self.pipe.as_ref().is_none_or(Pipeline::wants_more)
+    }
+
     pub(super) fn push_done(&mut self, d: Done) {
         if let Some(p) = self.pipe.as_mut() {
             p.done.push_back(d);

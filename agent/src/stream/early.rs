@@ -151,6 +151,11 @@ impl StreamedEarly {
     pub(super) fn idle(&self) -> bool {
         self.last_at.elapsed() >= EARLY_IDLE
     }
+
+    /// Restarts the idle clock (the stream was not reading).
+    pub(super) fn heard(&mut self) {
+        self.last_at = Instant::now();
+    }
 }
 
 /// Gives up applying the streamed transaction while it arrives: rolled back

@@ -281,7 +281,9 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     loop {
         rx.before_next().await?;
         let msg = tokio::select! {
-            m = stream.next() => m,
+            // Never disabled with nothing in flight: the branch below then
+            // has replies to wait for.
+            m = stream.next(), if rx.applier.wants_more() => m,
             // Replies of pipelined transactions, consumed as they come so
             // status and wait-sync see commits promptly.
             r = rx.applier.settle_next(), if rx.applier.in_flight() > 0 => {

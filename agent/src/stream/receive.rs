@@ -10,6 +10,7 @@
 //! watermark takes effect only after what was queued before it.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use mm_proto::Lsn;
@@ -90,13 +91,26 @@ impl Receiver<'_> {
         &mut self,
         stream: &mut mm_proto::client::LogicalReplicationStream,
     ) -> Result<(), StreamError> {
-        if let Some(open) = self.current.as_mut() {
+        // Not reading (`Applier::wants_more`), the stream cannot tell a
+        // silent publisher from a busy apply backend: time spent so does
+        // not count as the publisher's silence.
+        let reading = self.applier.wants_more();
+        if !reading {
+            if let Some(open) = self.current.as_mut() {
+                open.last_at = Instant::now();
+            }
+            if let Some(e) = self.streamed_early.as_mut() {
+                e.heard();
+            }
+        }
+        if reading && let Some(open) = self.current.as_mut() {
             abandon_idle_early(&mut self.applier, &self.peer, open).await?;
         }
-        if self
-            .streamed_early
-            .as_ref()
-            .is_some_and(StreamedEarly::idle)
+        if reading
+            && self
+                .streamed_early
+                .as_ref()
+                .is_some_and(StreamedEarly::idle)
         {
             warn!(
                 xid = self.streamed_early.as_ref().map_or(0, |e| e.xid),
