@@ -28,6 +28,9 @@ use mm_tests::agent::{AgentProcess, Secrets, mmctl};
 use mm_tests::{PgNode, pg_bin_dir};
 
 pub mod backlog;
+pub mod resources;
+
+pub use resources::Resources;
 
 /// Every table any workload uses; created empty on both nodes before
 /// replication starts (mm requires the tables on every node; the native
@@ -333,6 +336,8 @@ pub struct Measured {
     pub load: Duration,
     /// Until the subscriber had every row.
     pub total: Duration,
+    /// From the start of the workload until the subscriber had every row.
+    pub res: Resources,
 }
 
 impl Measured {
@@ -408,31 +413,44 @@ pub async fn single_row_inserts(sys: &System, rows: u64, driver: Driver) -> Resu
         "INSERT INTO t_insert (id, n, v) VALUES ($1::bigint, $1::bigint, md5($1::bigint::text))",
     )
     .await?;
+    let check = "SELECT count(*) FROM t_insert";
+    timed(sys, rows, drive(conns, rows), check, &rows.to_string()).await
+}
+
+/// Runs `work` on the publisher (after a checkpoint) and times it until the
+/// subscriber answers `check` with `want`, sampling CPU and RSS meanwhile.
+/// `work` is not polled before the clock starts.
+async fn timed(
+    sys: &System,
+    rows: u64,
+    work: impl std::future::Future<Output = Result<()>>,
+    check: &str,
+    want: &str,
+) -> Result<Measured> {
     sys.checkpoint().await?;
+    let sampler = resources::Sampler::start(sys).await?;
     let start = Instant::now();
-    drive(conns, rows).await?;
+    work.await?;
     let load = start.elapsed();
-    let total = sys
-        .delivered(start, "SELECT count(*) FROM t_insert", &rows.to_string())
-        .await?;
-    Ok(Measured { rows, load, total })
+    let total = sys.delivered(start, check, want).await?;
+    let res = sampler.stop().await?;
+    Ok(Measured {
+        rows,
+        load,
+        total,
+        res,
+    })
 }
 
 /// Workload 2: one transaction inserting `rows` rows on node a.
 pub async fn one_big_insert(sys: &System, rows: u64) -> Result<Measured> {
     let client = sys.a().connect().await?;
-    sys.checkpoint().await?;
-    let start = Instant::now();
-    client
-        .batch_execute(&format!(
-            "INSERT INTO t_bulk (id, n, v) SELECT g, g, md5(g::text) FROM generate_series(1, {rows}) g"
-        ))
-        .await?;
-    let load = start.elapsed();
-    let total = sys
-        .delivered(start, "SELECT count(*) FROM t_bulk", &rows.to_string())
-        .await?;
-    Ok(Measured { rows, load, total })
+    let sql = format!(
+        "INSERT INTO t_bulk (id, n, v) SELECT g, g, md5(g::text) FROM generate_series(1, {rows}) g"
+    );
+    let work = async { Ok(client.batch_execute(&sql).await?) };
+    let check = "SELECT count(*) FROM t_bulk";
+    timed(sys, rows, work, check, &rows.to_string()).await
 }
 
 /// Workload 3: `rows` single-row UPDATE transactions (each row of a
@@ -462,18 +480,8 @@ pub async fn single_row_updates(sys: &System, rows: u64, driver: Driver) -> Resu
         "UPDATE t_update SET n = n + 1 WHERE id = $1::bigint",
     )
     .await?;
-    sys.checkpoint().await?;
-    let start = Instant::now();
-    drive(conns, rows).await?;
-    let load = start.elapsed();
-    let total = sys
-        .delivered(
-            start,
-            "SELECT sum(n)::bigint FROM t_update",
-            &rows.to_string(),
-        )
-        .await?;
-    Ok(Measured { rows, load, total })
+    let check = "SELECT sum(n)::bigint FROM t_update";
+    timed(sys, rows, drive(conns, rows), check, &rows.to_string()).await
 }
 
 /// Settings of the bidirectional TPC-B-like run.

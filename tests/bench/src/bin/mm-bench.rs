@@ -16,8 +16,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use mm_bench::backlog::{self, Backlog, BacklogConfig, Shape};
 use mm_bench::{
-    self as bench, ConflictConfig, ConflictResult, KeySet, Kind, Measured, System, TpcbConfig,
-    TpcbResult, percentile,
+    self as bench, ConflictConfig, ConflictResult, KeySet, Kind, Measured, Resources, System,
+    TpcbConfig, TpcbResult, percentile,
 };
 
 const USAGE: &str = "\
@@ -314,12 +314,35 @@ impl Row {
 
 fn print_measured(label: &str, m: &Measured) {
     println!(
-        "  {label:<6} rows {:>8}  publisher done {:>7.2} s  subscriber has all {:>7.2} s  {:>9.0} rows/s",
+        "  {label:<6} rows {:>8}  publisher done {:>7.2} s  subscriber has all {:>7.2} s  {:>9.0} rows/s \
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
         m.rows,
         m.load.as_secs_f64(),
         m.total.as_secs_f64(),
-        m.rows_per_sec()
+        m.rows_per_sec(),
+        m.res.agent_cpu,
+        m.res.apply_cpu,
+        m.res.walsender_cpu,
+        m.res.agent_peak_rss as f64 / 1e6
     );
+}
+
+/// CPU seconds as "apply+walsender" (native) or "agent+apply+walsender"
+/// (mm), and the agent's peak RSS in MB, as table cells.
+fn resource_cells(native: Option<&Resources>, mm: Option<&Resources>) -> [String; 3] {
+    let dash = || "-".to_owned();
+    [
+        native.map_or_else(dash, |r| {
+            format!("{:.1}+{:.1}", r.apply_cpu, r.walsender_cpu)
+        }),
+        mm.map_or_else(dash, |r| {
+            format!(
+                "{:.1}+{:.1}+{:.1}",
+                r.agent_cpu, r.apply_cpu, r.walsender_cpu
+            )
+        }),
+        mm.map_or_else(dash, |r| format!("{:.0}", r.agent_peak_rss as f64 / 1e6)),
+    ]
 }
 
 /// Seconds and rows/s as table cells, dashes for a system that did not run.
@@ -502,16 +525,21 @@ fn markdown(
     let mut s = String::new();
     if !rows.is_empty() {
         s.push_str(
-            "| workload | rows | native s | native rows/s | mm s | mm rows/s | mm/native |\n",
+            "| workload | rows | native s | native rows/s | mm s | mm rows/s | mm/native \
+             | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n",
         );
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for r in rows {
             let (ns, nr) = cells(r.native);
             let (ms, mr) = cells(r.mm);
             let n_rows = r.native.or(r.mm).map_or(0, |m| m.rows);
             let ratio = r.ratio().map_or("-".to_owned(), |x| format!("{x:.2}"));
+            let [ncpu, mcpu, rss] = resource_cells(
+                r.native.as_ref().map(|m| &m.res),
+                r.mm.as_ref().map(|m| &m.res),
+            );
             s.push_str(&format!(
-                "| {} | {n_rows} | {ns} | {nr} | {ms} | {mr} | {ratio} |\n",
+                "| {} | {n_rows} | {ns} | {nr} | {ms} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
                 r.name
             ));
         }
@@ -606,18 +634,8 @@ fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
             (Some(n), Some(m)) => format!("{:.2}", m.rows_per_sec() / n.rows_per_sec()),
             _ => "-".to_owned(),
         };
-        let ncpu = n.map_or("-".to_owned(), |b| {
-            format!("{:.1}+{:.1}", b.res.apply_cpu, b.res.walsender_cpu)
-        });
-        let mcpu = m.map_or("-".to_owned(), |b| {
-            format!(
-                "{:.1}+{:.1}+{:.1}",
-                b.res.agent_cpu, b.res.apply_cpu, b.res.walsender_cpu
-            )
-        });
-        let rss = m.map_or("-".to_owned(), |b| {
-            format!("{:.0}", b.res.agent_peak_rss as f64 / 1e6)
-        });
+        let [ncpu, mcpu, rss] =
+            resource_cells(n.as_ref().map(|b| &b.res), m.as_ref().map(|b| &b.res));
         s.push_str(&format!(
             "| {} | {} | {} | {ns} | {nr} | {ms} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
             shape.label(),
