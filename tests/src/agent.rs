@@ -102,6 +102,8 @@ pub struct AgentProcess {
     env: Vec<(String, String)>,
     /// The agent binary, when not the default `mm-agent` (see `agent_bin`).
     bin: Option<PathBuf>,
+    /// It listened once: its URL may be known to others, its port is fixed.
+    listened: bool,
 }
 
 /// The shared secrets of a test cluster.
@@ -170,6 +172,7 @@ impl AgentProcess {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
             bin,
+            listened: false,
         };
         agent.start()?;
         Ok(agent)
@@ -219,7 +222,12 @@ impl AgentProcess {
         Ok(())
     }
 
-    /// Waits until the agent's API answers (any HTTP status counts: it is up).
+    /// Waits until the agent's own process listens on its API port. Not
+    /// "something answers there": `free_port`'s port is free only until
+    /// someone binds it, and a test once talked to another test's agent on
+    /// it (HTTP 401) while its own had exited with "address in use". An
+    /// agent that never listened and lost its port that way is started
+    /// again on a new one.
     pub async fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -227,16 +235,20 @@ impl AgentProcess {
                 && let Some(st) = c.try_wait()?
             {
                 self.child = None;
-                bail!(
-                    "agent {} exited with {st}:\n{}",
-                    self.name,
-                    self.log_tail(40)
-                );
+                let tail = self.log_tail(40);
+                if !self.listened && tail.contains("Address already in use") {
+                    self.move_to_new_port()?;
+                    self.start()?;
+                    continue;
+                }
+                bail!("agent {} exited with {st}:\n{tail}", self.name);
             }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
+            if self
+                .child
+                .as_ref()
+                .is_some_and(|c| listens(c.id(), self.port))
             {
+                self.listened = true;
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -248,6 +260,17 @@ impl AgentProcess {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    fn move_to_new_port(&mut self) -> Result<()> {
+        let port = free_port();
+        let toml = std::fs::read_to_string(&self.config)?.replace(
+            &format!("127.0.0.1:{}\"", self.port),
+            &format!("127.0.0.1:{port}\""),
+        );
+        std::fs::write(&self.config, toml)?;
+        self.port = port;
+        Ok(())
     }
 
     /// Waits for the process to exit by itself (e.g. refusing to start).
@@ -470,5 +493,35 @@ pub async fn mmctl(agent_url: &str, token_file: &Path, args: &[&str]) -> Result<
         status: out.status,
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// Whether process `pid` holds a listening TCP socket on `port` (its
+/// network namespace's /proc/net/tcp, matched to its fds by inode).
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(tcp) = std::fs::read_to_string("/proc/net/tcp") else {
+        return false;
+    };
+    let at = format!(":{port:04X}");
+    let sockets: Vec<String> = tcp
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // local_address, st (0A = LISTEN), inode
+            (f.len() > 9 && f[1].ends_with(&at) && f[3] == "0A")
+                .then(|| format!("socket:[{}]", f[9]))
+        })
+        .collect();
+    if sockets.is_empty() {
+        return false;
+    }
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .ok()
+            .is_some_and(|t| sockets.iter().any(|s| t.as_os_str() == s.as_str()))
     })
 }
