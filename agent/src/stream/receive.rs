@@ -94,8 +94,7 @@ impl Receiver<'_> {
         // Not reading (`Applier::wants_more`), the stream cannot tell a
         // silent publisher from a busy apply backend: time spent so does
         // not count as the publisher's silence.
-        let reading = self.applier.wants_more();
-        if !reading {
+        if !self.applier.wants_more() {
             if let Some(open) = self.current.as_mut() {
                 open.last_at = Instant::now();
             }
@@ -103,14 +102,13 @@ impl Receiver<'_> {
                 e.heard();
             }
         }
-        if reading && let Some(open) = self.current.as_mut() {
+        if let Some(open) = self.current.as_mut() {
             abandon_idle_early(&mut self.applier, &self.peer, open).await?;
         }
-        if reading
-            && self
-                .streamed_early
-                .as_ref()
-                .is_some_and(StreamedEarly::idle)
+        if self
+            .streamed_early
+            .as_ref()
+            .is_some_and(StreamedEarly::idle)
         {
             warn!(
                 xid = self.streamed_early.as_ref().map_or(0, |e| e.xid),
