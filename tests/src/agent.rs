@@ -236,7 +236,12 @@ impl AgentProcess {
             {
                 self.child = None;
                 let tail = self.log_tail(40);
-                if !self.listened && tail.contains("Address already in use") {
+                // Before the deadline only: the old run's line stays in
+                // the log and must not restart a later failure forever.
+                if !self.listened
+                    && Instant::now() < deadline
+                    && tail.contains("Address already in use")
+                {
                     self.move_to_new_port()?;
                     self.start()?;
                     continue;
