@@ -151,10 +151,11 @@ impl AgentProcess {
         }
         let port = free_port();
         let config = dir.join("agent.toml");
-        let dsn = pg.dsn();
+        let dsn = pg.local_dsn();
+        let peer_dsn = pg.dsn();
         let toml = format!(
             "[node]\nname = \"{name}\"\ndata_dir = \"{data}\"\n\n\
-             [postgres]\ndsn = \"{dsn}\"\npeer_dsn = \"{dsn}\"\n\n\
+             [postgres]\ndsn = \"{dsn}\"\npeer_dsn = \"{peer_dsn}\"\n\n\
              [api]\nlisten = \"127.0.0.1:{port}\"\nadvertise = \"http://127.0.0.1:{port}\"\ntoken_file = \"{token}\"\n\n\
              [replication]\nschemas = [\"public\"]\n{extra_toml}\n",
             data = dir.join("data").display(),

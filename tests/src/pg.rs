@@ -383,6 +383,18 @@ impl PgNode {
         self.dsn_for("postgres")
     }
 
+    /// The DSN an agent beside this server uses (`postgres.dsn`): the unix
+    /// socket, as SPEC's example and the Ansible role deploy it. Over
+    /// loopback TCP the apply backend spends about a third of its CPU in
+    /// send() for single-row transactions (ARCHITECTURE, "Apply throughput").
+    pub fn local_dsn(&self) -> String {
+        format!(
+            "host={} port={} user=postgres dbname=postgres",
+            self.socket_dir().display(),
+            self.port
+        )
+    }
+
     pub fn dsn_for(&self, db: &str) -> String {
         format!(
             "host={} port={} user=postgres dbname={db}",
