@@ -907,6 +907,10 @@ pub struct ConflictResult {
     pub conflicts: ConflictCounters,
     /// Rows whose contents differ between the two nodes at the end.
     pub differing_rows: u64,
+    /// CPU of the stream into node b (its agent and apply backends, a's
+    /// walsenders) from the start until converged; the other direction is
+    /// symmetric.
+    pub res: resources::Resources,
     /// sum(n) on each node: every committed update adds 1 where it ran; an
     /// update overwritten by a concurrent one on the other node is lost.
     pub sums: [i64; 2],
@@ -1116,6 +1120,7 @@ pub async fn conflicting_updates(
     let phase = Arc::new(AtomicU8::new(PHASE_LOAD));
     let mut hb = JoinSet::new();
     let mut samplers = JoinSet::new();
+    let cpu = resources::Sampler::start(sys).await?;
     for (on, of) in [(1usize, 0usize), (0, 1)] {
         let writer = sys.nodes[of].connect().await?;
         hb.spawn(heartbeat_writer(
@@ -1172,6 +1177,7 @@ pub async fn conflicting_updates(
     // origin in commit order, so each fence arriving means all of it did.
     sys.fence_both_ways(Duration::from_secs(300)).await?;
     let converged = start.elapsed();
+    let res = cpu.stop().await?;
     sys.settle().await?;
     let conflicts = sys.settled_conflict_counters().await?.since(&before);
 
@@ -1206,6 +1212,7 @@ pub async fn conflicting_updates(
         conflicts,
         differing_rows,
         sums,
+        res,
     })
 }
 

@@ -464,8 +464,8 @@ fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String 
         args.conflict_heartbeat_ms,
         k = args.conflict_keys,
     );
-    s.push_str("| keys | system | writers txns/s | converged s | txns/s to converged | lag p50 / p95 / max ms | conflicts | conflict rate | routine | sum(n) A / B | end state |\n");
-    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    s.push_str("| keys | system | writers txns/s | converged s | txns/s to converged | lag p50 / p95 / max ms | conflicts | conflict rate | routine | sum(n) A / B | end state | cpu s A->B: native apply+wal / mm agent+apply+wal |\n");
+    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n");
     for keys in [KeySet::Disjoint, KeySet::Hot] {
         let of = |label: &str| {
             runs.iter()
@@ -474,8 +474,14 @@ fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String 
         };
         for (label, r) in runs.iter().filter(|(_, r)| r.keys == keys) {
             let d = lag(&r.lag.delivery);
+            let [ncpu, mcpu, _] = if label == "mm" {
+                resource_cells(None, Some(&r.res))
+            } else {
+                resource_cells(Some(&r.res), None)
+            };
+            let cpu = if label == "mm" { mcpu } else { ncpu };
             s.push_str(&format!(
-                "| {} | {label} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} | {} | {:.1}% | {} | {} / {} | {} |\n",
+                "| {} | {label} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} | {} | {:.1}% | {} | {} / {} | {} | {cpu} |\n",
                 keys.label(),
                 r.writer_tps(),
                 r.converged.as_secs_f64(),
@@ -494,7 +500,7 @@ fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String 
         if let (Some(n), Some(m)) = (of("native"), of("mm")) {
             let (dn, dm) = (lag(&n.lag.delivery), lag(&m.lag.delivery));
             s.push_str(&format!(
-                "| {} | **mm/native** | {} | | {} | {} / {} / {} | | | | | |\n",
+                "| {} | **mm/native** | {} | | {} | {} / {} / {} | | | | | | |\n",
                 keys.label(),
                 ratio_cell(m.writer_tps(), n.writer_tps()),
                 ratio_cell(m.converged_tps(), n.converged_tps()),
