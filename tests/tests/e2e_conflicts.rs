@@ -737,6 +737,51 @@ async fn lww_conflicts_on_a_hot_key_are_settled_in_place_both_ways() -> Result<(
     Ok(())
 }
 
+/// On a hot key the in-place statement also tells a routine change from a
+/// conflict (`mm.routine_full`'s rule, written out in
+/// `sql::fast_update_in_place`): after the key conflicted, B updates it, A
+/// receives that and, once B's watermark says so, updates it again. On B
+/// that update meets B's own row version, which A had seen: applied,
+/// counted as routine, not logged, no rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routine_update_of_a_hot_key_is_applied_in_place_without_a_conflict() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = pair("lir");
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
+    let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+    let key = r#"{"id": 1}"#;
+    let odd = "update_origin_differs";
+    let first = vec![logged(odd, "public.t", key, Some(&wb), &wa, "keep_local")];
+    assert_log(&c, 1, first.clone()).await?;
+    let before = c.stream_status(&names[0], &names[1]).await?;
+    assert_eq!(before["conflict_rollbacks"], 1, "{before}");
+    let routine_before = before["routine"].as_u64().unwrap_or(0);
+
+    write(&c, 1, "UPDATE t SET v = 'b again' WHERE id = 1").await?;
+    c.wait_sync(60).await?;
+    tokio::time::sleep(WATERMARK_SETTLE).await;
+    write(&c, 0, "UPDATE t SET v = 'a after b' WHERE id = 1").await?;
+    c.wait_sync(60).await?;
+
+    assert_rows(&c, 0, DUMP_T, &[&["1", "a after b"]]).await?;
+    assert_rows(&c, 1, DUMP_T, &[&["1", "a after b"]]).await?;
+    assert_log(&c, 1, first).await?;
+    let routine = wait_routine(&c, &names[0], &names[1], routine_before + 1).await?;
+    assert!(
+        routine >= Some(routine_before + 1),
+        "A's update of B's row, after A saw it, is routine on B: {routine:?} (was {routine_before})"
+    );
+    let after = c.stream_status(&names[0], &names[1]).await?;
+    assert_eq!(after["conflicts"][odd], 1, "{after}");
+    assert_eq!(after["conflict_rollbacks"], 1, "{after}");
+    c.assert_same(DUMP_T).await?;
+    Ok(())
+}
+
 /// A careful-path write is sent without waiting for its reply
 /// (`deferred.rs`). When it fails, the error reported is its own, not the
 /// "transaction is aborted" of the statements sent behind it, and nothing

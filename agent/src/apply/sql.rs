@@ -377,7 +377,10 @@ pub const IN_PLACE_PARAMS: usize = 6;
 /// by its key, every column sent. It locks the row (`FOR UPDATE`: the
 /// newest committed version, as the careful path's `fetch_rows` reads it),
 /// decides routine / remote wins / local wins by the same rules
-/// (`conflict::routine`, `Conflict::remote_is_later`; names compared
+/// (`mm.routine_full` written out over the version's commit timestamp and
+/// origin the statement reads anyway: the function call and its two
+/// further lookups of them were half of what a resolution cost over a
+/// plain update; `Conflict::remote_is_later`; names compared
 /// bytewise, `COLLATE "C"`, as Rust compares them), updates only when the
 /// remote change wins and logs the conflict exactly as the careful path
 /// would. Anything else, a row missing, an update that did not take the
@@ -418,7 +421,10 @@ pub fn fast_update_in_place(
     let decision = "(SELECT d.mm_decision FROM mm_d AS d)";
     format!(
         "WITH mm_c AS MATERIALIZED (SELECT \
-         mm.routine(r.xmin, ${peer_oid}::oid, ${ts}::timestamptz, ${wm_ids}::oid[], ${wm_ts}::timestamptz[]) AS mm_routine, \
+         CASE WHEN o.\"timestamp\" IS NULL OR o.roident = ${peer_oid}::oid THEN true \
+         WHEN o.\"timestamp\" <= (${wm_ts}::timestamptz[])[pg_catalog.array_position(${wm_ids}::oid[], o.roident)] \
+         AND o.\"timestamp\" < ${ts}::timestamptz THEN mm.count_routine() \
+         ELSE false END AS mm_routine, \
          o.\"timestamp\" AS mm_ts, \
          CASE WHEN o.roident = 0 THEN ${local}::text ELSE COALESCE((${names}::text[])[pg_catalog.array_position(${ids}::oid[], o.roident)], \
          'origin ' || o.roident::text) END AS mm_origin, \

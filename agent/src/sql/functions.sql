@@ -247,6 +247,9 @@ $fn$;
 -- resolver. Plain SQL without SET clauses: this runs for every replicated
 -- UPDATE and DELETE (a plpgsql version with a search_path clause cost a third
 -- of the apply rate).
+-- Written out in the hot-key resolving UPDATE (apply/sql.rs,
+-- `fast_update_in_place`) over the commit timestamp and origin it reads
+-- anyway: a change here changes it there.
 CREATE OR REPLACE FUNCTION mm.routine_full(
     p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
