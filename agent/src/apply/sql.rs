@@ -447,7 +447,8 @@ pub fn fast_update_in_place(
             &format!(
                 "CASE WHEN {decision} IS NULL OR ({decision} < 2 AND NOT EXISTS (SELECT FROM u)) \
                  THEN mm.conflict()::pg_catalog.int4 \
-                 ELSE (SELECT pg_catalog.count(*) FROM lg)::pg_catalog.int4 END"
+                 ELSE {}::pg_catalog.int4 END",
+                rows_of_unique("lg")
             ),
             commit
         )
