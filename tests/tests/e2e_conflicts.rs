@@ -415,6 +415,17 @@ async fn resume_both_and_sync(c: &TestCluster) -> Result<()> {
 }
 
 /// Inserts the rows of `sql` on node 0 and waits until every node has them.
+/// Two nodes `{prefix}1`, `{prefix}2` with table t holding key 1 ('init'),
+/// replicated to both, and both streams paused: the start of every
+/// two-writer scenario on one key.
+async fn paused_pair(prefix: &str, res: Res) -> Result<([String; 2], TestCluster)> {
+    let names = pair(prefix);
+    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
+    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
+    pause_both(&c).await?;
+    Ok((names, c))
+}
+
 async fn seed(c: &TestCluster, sql: &str) -> Result<()> {
     c.pg[0].execute(sql).await?;
     c.wait_sync(60).await?;
@@ -486,10 +497,7 @@ async fn insert_exists(prefix: &str, res: Res) -> Result<()> {
 
 /// Both update key 1 (inserted on A and replicated first): update_origin_differs.
 async fn update_origin_differs(prefix: &str, res: Res) -> Result<()> {
-    let names = pair(prefix);
-    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
-    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
-    pause_both(&c).await?;
+    let (_, c) = paused_pair(prefix, res).await?;
     let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
     let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
     resume_both_and_sync(&c).await?;
@@ -535,10 +543,7 @@ async fn update_origin_differs(prefix: &str, res: Res) -> Result<()> {
 /// before A's update, else after. A sees delete_origin_differs (its row vs
 /// B's delete), B sees update_deleted (its tombstone vs A's update).
 async fn update_vs_delete(prefix: &str, res: Res, delete_first: bool) -> Result<()> {
-    let names = pair(prefix);
-    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, res).await?;
-    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
-    pause_both(&c).await?;
+    let (_, c) = paused_pair(prefix, res).await?;
     let (wa, wb) = if delete_first {
         let wb = write(&c, 1, "DELETE FROM t WHERE id = 1").await?;
         let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
@@ -629,10 +634,7 @@ async fn lww_delete_then_later_update() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lww_repeated_conflicts_on_one_key_roll_back_the_fast_path_once() -> Result<()> {
     mm_tests::init_tracing();
-    let names = pair("lhk");
-    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
-    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
-    pause_both(&c).await?;
+    let (names, c) = paused_pair("lhk", Res::Lww).await?;
     let mut wa = Vec::new();
     for i in 0..5 {
         wa.push(write(&c, 0, &format!("UPDATE t SET v = 'a{i}' WHERE id = 1")).await?);
@@ -689,10 +691,7 @@ async fn lww_repeated_conflicts_on_one_key_roll_back_the_fast_path_once() -> Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lww_conflicts_on_a_hot_key_are_settled_in_place_both_ways() -> Result<()> {
     mm_tests::init_tracing();
-    let names = pair("lip");
-    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
-    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
-    pause_both(&c).await?;
+    let (names, c) = paused_pair("lip", Res::Lww).await?;
     let a0 = write(&c, 0, "UPDATE t SET v = 'a0' WHERE id = 1").await?;
     let b1 = write(&c, 1, "UPDATE t SET v = 'b1' WHERE id = 1").await?;
     let a2 = write(&c, 0, "UPDATE t SET v = 'a2' WHERE id = 1").await?;
@@ -746,10 +745,7 @@ async fn lww_conflicts_on_a_hot_key_are_settled_in_place_both_ways() -> Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routine_update_of_a_hot_key_is_applied_in_place_without_a_conflict() -> Result<()> {
     mm_tests::init_tracing();
-    let names = pair("lir");
-    let c = cluster(&[&names[0], &names[1]], T_SCHEMA, Res::Lww).await?;
-    seed(&c, "INSERT INTO t VALUES (1, 'init')").await?;
-    pause_both(&c).await?;
+    let (names, c) = paused_pair("lir", Res::Lww).await?;
     let wa = write(&c, 0, "UPDATE t SET v = 'a' WHERE id = 1").await?;
     let wb = write(&c, 1, "UPDATE t SET v = 'b' WHERE id = 1").await?;
     resume_both_and_sync(&c).await?;
