@@ -519,6 +519,9 @@ pub struct TpcbResult {
     pub tps: [f64; 2],
     /// From the end of pgbench until both nodes had each other's writes.
     pub drain: Duration,
+    /// The stream into node B (A's writes) from the start of the load until
+    /// both nodes had everything, as the conflicts workload reports it.
+    pub res: resources::Resources,
 }
 
 const PGBENCH_SCRIPT: &str = "\
@@ -586,6 +589,7 @@ pub async fn tpcb_both_ways(sys: &System, cfg: &TpcbConfig, workdir: &Path) -> R
     phase.store(PHASE_IDLE, Ordering::SeqCst);
     tokio::time::sleep(cfg.idle).await;
     phase.store(PHASE_LOAD, Ordering::SeqCst);
+    let cpu = resources::Sampler::start(sys).await?;
     let bench = tokio::join!(
         pgbench(sys.a(), 0, cfg, &script),
         pgbench(sys.b(), 1, cfg, &script),
@@ -608,6 +612,7 @@ pub async fn tpcb_both_ways(sys: &System, cfg: &TpcbConfig, workdir: &Path) -> R
     let (s0, s1) = (s0?, s1?);
     sys.fence_both_ways(CATCH_UP_TIMEOUT).await?;
     let drain = ended.elapsed();
+    let res = cpu.stop().await?;
     // Disjoint keys: no conflicts, so both nodes must hold identical data.
     for sql in [
         "SELECT count(*), sum(abalance) FROM bench_accounts",
@@ -625,6 +630,7 @@ pub async fn tpcb_both_ways(sys: &System, cfg: &TpcbConfig, workdir: &Path) -> R
         txns: [s0.0, s1.0],
         tps: [s0.1, s1.1],
         drain,
+        res,
     })
 }
 

@@ -345,6 +345,17 @@ fn resource_cells(native: Option<&Resources>, mm: Option<&Resources>) -> [String
     ]
 }
 
+/// `resource_cells` for one system's run (by its label): CPU seconds and
+/// the agent's peak RSS (a dash for native).
+fn system_resource_cells(label: &str, r: &Resources) -> [String; 2] {
+    let [ncpu, mcpu, rss] = if label == "mm" {
+        resource_cells(None, Some(r))
+    } else {
+        resource_cells(Some(r), None)
+    };
+    [if label == "mm" { mcpu } else { ncpu }, rss]
+}
+
 /// Seconds and rows/s as table cells, dashes for a system that did not run.
 fn cells(m: Option<Measured>) -> (String, String) {
     match m {
@@ -393,6 +404,13 @@ fn print_tpcb(label: &str, t: &TpcbResult) {
     println!(
         "         delivery  ms p50 {:.0} p95 {:.0} p99 {:.0} max {:.0} ({} heartbeats)",
         d.p50, d.p95, d.p99, d.max, d.n
+    );
+    println!(
+        "         cpu s A->B: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
+        t.res.agent_cpu,
+        t.res.apply_cpu,
+        t.res.walsender_cpu,
+        t.res.agent_peak_rss as f64 / 1e6
     );
 }
 
@@ -474,12 +492,7 @@ fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String 
         };
         for (label, r) in runs.iter().filter(|(_, r)| r.keys == keys) {
             let d = lag(&r.lag.delivery);
-            let [ncpu, mcpu, _] = if label == "mm" {
-                resource_cells(None, Some(&r.res))
-            } else {
-                resource_cells(Some(&r.res), None)
-            };
-            let cpu = if label == "mm" { mcpu } else { ncpu };
+            let [cpu, _] = system_resource_cells(label, &r.res);
             s.push_str(&format!(
                 "| {} | {label} | {:.0} | {:.2} | {:.0} | {:.0} / {:.0} / {:.0} | {} | {:.1}% | {} | {} / {} | {} | {cpu} |\n",
                 keys.label(),
@@ -563,14 +576,15 @@ fn markdown(
             args.heartbeat_ms,
             args.sample_ms
         ));
-        s.push_str("| system | rate/node | tps A+B | staleness p50 / p95 / p99 / max ms | delivery p50 / p95 / p99 ms | idle staleness p50 ms | drain s |\n");
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str("| system | rate/node | tps A+B | staleness p50 / p95 / p99 / max ms | delivery p50 / p95 / p99 ms | idle staleness p50 ms | drain s | cpu s A->B: native apply+wal / mm agent+apply+wal | mm agent peak RSS MB |\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (label, rate, t) in tpcb {
             let st = lag(&t.load.staleness);
             let d = lag(&t.load.delivery);
             let idle = lag(&t.idle.staleness);
+            let [cpu, rss] = system_resource_cells(label, &t.res);
             s.push_str(&format!(
-                "| {label} | {rate} | {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.2} |\n",
+                "| {label} | {rate} | {:.0} | {:.0} / {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.2} | {cpu} | {rss} |\n",
                 t.tps[0] + t.tps[1],
                 st.p50,
                 st.p95,
