@@ -119,7 +119,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         .with_context(|| {
             format!("node {name}: connecting to the local PostgreSQL (postgres.dsn)")
         })?;
-    crate::prereq::check(&client, &schemas, 2)
+    crate::prereq::check(&client, &schemas, 2, cfg.replication.apply_lanes as usize)
         .await
         .with_context(|| format!("node {name}"))?;
     crate::schema::ensure(&client, &schemas)
@@ -146,11 +146,10 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         .with_context(|| format!("binding api.listen {}", cfg.api.listen))?;
     info!(node = %name, node_id, listen = %cfg.api.listen, "agent API listening");
     if cfg.replication.apply_lanes > 1 {
-        tracing::warn!(
+        info!(
             node = %name,
             apply_lanes = cfg.replication.apply_lanes,
-            "replication.apply_lanes: parallel apply lanes are not built in this version; \
-             every peer's changes are applied on one session, in commit order"
+            "parallel apply: each peer's stream applies on this many sessions, committing in the peer's order"
         );
     }
     let state = AppState {
@@ -174,6 +173,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         password,
         data_dir: cfg.node.data_dir.clone(),
         synchronous_commit: cfg.replication.synchronous_commit.as_str().to_owned(),
+        apply_lanes: cfg.replication.apply_lanes as usize,
         status: Arc::clone(&status),
         resolvers: Arc::new(resolvers),
         watermarks: Arc::clone(&watermarks),

@@ -8,6 +8,13 @@ pub fn required_slots(nodes: usize) -> i64 {
     2 * (nodes.max(2) as i64 - 1) + 2
 }
 
+/// Replication origins active at once on PostgreSQL 18
+/// (`max_active_replication_origins`): one per apply lane of every stream
+/// into this node, and one for add-node's copy.
+pub fn required_origins(nodes: usize, lanes: usize) -> i64 {
+    (nodes.max(2) as i64 - 1) * lanes.max(1) as i64 + 1
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("node prerequisites not met:\n  - {}", problems.join("\n  - "))]
 pub struct Unmet {
@@ -22,7 +29,12 @@ async fn setting(client: &Client, name: &str) -> Result<String, tokio_postgres::
 }
 
 /// Checks server version, settings, privileges and replica identities.
-pub async fn check(client: &Client, schemas: &[String], nodes: usize) -> Result<(), anyhow::Error> {
+pub async fn check(
+    client: &Client,
+    schemas: &[String],
+    nodes: usize,
+    lanes: usize,
+) -> Result<(), anyhow::Error> {
     let mut problems = Vec::new();
     let version: i32 = setting(client, "server_version_num")
         .await?
@@ -53,6 +65,20 @@ pub async fn check(client: &Client, schemas: &[String], nodes: usize) -> Result<
             problems.push(format!(
                 "{name} is {v}, must be at least {need} for {} nodes (2 x (nodes - 1) + 2)",
                 nodes.max(2)
+            ));
+        }
+    }
+    if version >= 180000 {
+        let need = required_origins(nodes, lanes);
+        let v: i64 = setting(client, "max_active_replication_origins")
+            .await?
+            .parse()
+            .unwrap_or(0);
+        if v < need {
+            problems.push(format!(
+                "max_active_replication_origins is {v}, must be at least {need} for {} nodes with replication.apply_lanes = {} ((nodes - 1) x lanes + 1; restart needed)",
+                nodes.max(2),
+                lanes.max(1)
             ));
         }
     }

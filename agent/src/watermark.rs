@@ -253,15 +253,20 @@ async fn purge(
     let mut ids: Vec<u32> = Vec::new();
     let mut ts: Vec<DateTime<Utc>> = Vec::new();
     for (node, cut) in &cutoffs {
-        let id = if *node == wm.local {
-            Some(0)
+        // Every origin of the node: each apply lane of its stream has one.
+        let of_node: Vec<u32> = if *node == wm.local {
+            vec![0]
         } else {
             origins
                 .iter()
-                .find(|r| r.get::<_, String>(1) == crate::stream::names::origin_name(node))
+                .filter(|r| {
+                    crate::stream::names::node_of_origin(&r.get::<_, String>(1))
+                        == Some(node.as_str())
+                })
                 .map(|r| r.get::<_, u32>(0))
+                .collect()
         };
-        if let Some(id) = id {
+        for id in of_node {
             ids.push(id);
             ts.push(*cut);
         }

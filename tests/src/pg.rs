@@ -178,6 +178,8 @@ impl PgNode {
             ("track_commit_timestamp", "on".into()),
             ("max_replication_slots", "20".into()),
             ("max_wal_senders", "20".into()),
+            // Apply lanes bind an origin each (`replication.apply_lanes`).
+            ("max_active_replication_origins", "64".into()),
             ("max_worker_processes", "20".into()),
             // Many nodes share a small machine.
             ("max_connections", "60".into()),

@@ -112,7 +112,7 @@ async fn sql_and_rust_last_writer_wins_agree() -> Result<()> {
                     Param::text(id.to_string()),
                     Param::text(new_v.clone()),
                     Param::text(id.to_string()),
-                    Param::oid(oid_of(peer)),
+                    Param::oid_array(&[oid_of(peer)]),
                     Param::timestamptz(micros(remote)),
                     Param::oid_array(&[]),
                     Param::timestamptz_array(&[]),
@@ -144,7 +144,7 @@ async fn sql_and_rust_last_writer_wins_agree() -> Result<()> {
                 let case = format!(
                     "row {id} ({roident:?} at {local_commit:?}), change from {peer} at {remote}"
                 );
-                let no_resolver = no_resolver_needed(&facts, oid_of(peer), |_| None, remote);
+                let no_resolver = no_resolver_needed(&facts, &[oid_of(peer)], |_| None, remote);
                 if no_resolver {
                     ensure!(
                         logged == 0 && log.is_none(),

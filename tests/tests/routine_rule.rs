@@ -82,16 +82,18 @@ async fn sql_and_rust_routine_tests_agree() -> Result<()> {
                 for wm in &watermarks {
                     let wm_ids: Vec<u32> = wm.iter().map(|(o, _)| *o).collect();
                     let wm_ts: Vec<DateTime<Utc>> = wm.iter().map(|(_, t)| *t).collect();
+                    // The publisher's origins: one per apply lane.
+                    let peers = vec![peer];
                     let sql: bool = c
                         .query_one(
-                            "SELECT mm.routine(xmin, $1::oid, $2::timestamptz, $3::oid[], $4::timestamptz[]) FROM t WHERE id = $5",
-                            &[&peer, &remote, &wm_ids, &wm_ts, &id],
+                            "SELECT mm.routine(xmin, $1::oid[], $2::timestamptz, $3::oid[], $4::timestamptz[]) FROM t WHERE id = $5",
+                            &[&peers, &remote, &wm_ids, &wm_ts, &id],
                         )
                         .await?
                         .get(0);
                     let rust = no_resolver_needed(
                         &facts,
-                        peer,
+                        &peers,
                         |o| wm.iter().find(|(x, _)| *x == o).map(|(_, t)| *t),
                         remote,
                     );

@@ -76,6 +76,12 @@ pub trait Replayable: Send + Sync {
     fn single_change(&self) -> Option<Message> {
         None
     }
+
+    /// Every message, when the transaction is held in memory: what an
+    /// apply lane's scheduler reads its write set from (`lanes.rs`).
+    fn messages(&self) -> Option<Arc<Vec<Message>>> {
+        None
+    }
 }
 
 /// A transaction received whole, kept in memory until it commits here.
@@ -121,6 +127,10 @@ impl Replayable for InMemory {
         }
         change.cloned()
     }
+
+    fn messages(&self) -> Option<Arc<Vec<Message>>> {
+        Some(Arc::clone(&self.0))
+    }
 }
 
 pub type TxnBody = Arc<dyn Replayable>;
@@ -160,8 +170,9 @@ pub struct Applier {
     pub(super) client: Arc<Client>,
     pub(super) origin: String,
     pub(super) ctx: ApplyContext,
-    /// Local id of the publisher's replication origin.
-    pub(super) peer_roident: u32,
+    /// Local ids of the publisher's replication origins (one per apply
+    /// lane that ever ran): a version any of them wrote is the publisher's.
+    pub(super) peer_roidents: Vec<u32>,
     /// Local origin ids -> node names (0 is this node).
     pub(super) origins: HashMap<u32, String>,
     /// `origins` without this node, as the ids and names parameters of
@@ -220,6 +231,20 @@ pub struct Applier {
     pub(super) careful_stmts: std::sync::Mutex<HashMap<String, Statement>>,
     /// The careful transaction's writes not answered yet (`deferred.rs`).
     pub(super) deferred: super::deferred::Deferred,
+    /// The other apply lanes of this stream (`lanes.rs`); None with one.
+    pub(super) lanes: Option<Box<super::lanes::Lanes>>,
+    /// The locks of the transaction being queued in a lane (`lanes.rs`),
+    /// and the number of the statement that takes its own.
+    pub(super) turn: Option<super::lanes::Turn>,
+    pub(super) turn_op: u64,
+    /// The gate, taken for this lane by the dispatcher (`lanes.rs`).
+    pub(super) gate_ticket: Option<super::gate::Shared>,
+    /// Routine changes counted by the other lanes, not yet reported.
+    pub(super) routine_side: u64,
+    /// `pg_advisory_xact_lock` and `_shared` on (int4, int4): a lane's own
+    /// turn and its wait for the one before (`lanes.rs`).
+    pub(super) lock_own: Statement,
+    pub(super) wait_prev: Statement,
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -237,12 +262,45 @@ impl Applier {
     /// durability, and the peer's replication origin bound to the session (it
     /// tags our commits so they are never sent back out). Returns the stored
     /// progress: where the stream must resume.
+    ///
+    /// With `lanes` > 1 it opens that many sessions (`lanes.rs`), each
+    /// with its own origin; `origin` names the stream's progress row.
     pub async fn open(
         dsn: &str,
         password: Option<&str>,
         origin: &str,
         synchronous_commit: &str,
         ctx: ApplyContext,
+        lanes: usize,
+    ) -> Result<(Applier, Lsn), ApplyFailure> {
+        let (mut applier, start) =
+            Self::open_lane(dsn, password, origin, synchronous_commit, ctx.clone(), 0).await?;
+        if lanes > 1 {
+            let mut side = Vec::with_capacity(lanes - 1);
+            for k in 1..lanes {
+                let (a, _) =
+                    Self::open_lane(dsn, password, origin, synchronous_commit, ctx.clone(), k)
+                        .await?;
+                side.push(a);
+            }
+            // Every lane's origin exists now: each lane must know them all
+            // as the publisher's (a version another lane wrote is its own).
+            applier.load_origins().await?;
+            for a in &mut side {
+                a.load_origins().await?;
+            }
+            applier.lanes = Some(Box::new(super::lanes::Lanes::new(&applier.ctx.peer, side)));
+        }
+        Ok((applier, start))
+    }
+
+    async fn open_lane(
+        dsn: &str,
+        password: Option<&str>,
+        origin: &str,
+        synchronous_commit: &str,
+        ctx: ApplyContext,
+        lane: usize,
     ) -> Result<(Applier, Lsn), ApplyFailure> {
         let client = crate::pg::connect(dsn, password)
             .await
@@ -258,7 +316,19 @@ impl Applier {
             ))
             .await
             .map_err(pg)?;
-        crate::pg::bind_origin(&client, origin).await.map_err(pg)?;
+        let bound = crate::stream::names::lane_origin_name(&ctx.peer, lane);
+        crate::pg::bind_origin(&client, &bound).await.map_err(|e| {
+            let mut f = ApplyFailure::from_pg(None, &e);
+            if f.sqlstate.as_deref() == Some("53400") {
+                f.message = format!(
+                    "no free replication origin slot for apply lane {lane} of the stream from {} ({bound}): \
+                     max_active_replication_origins must be at least (nodes - 1) x replication.apply_lanes + 1 \
+                     ({})",
+                    ctx.peer, f.message
+                );
+            }
+            f
+        })?;
         client
             .execute(
                 "INSERT INTO mm.apply_progress (origin, remote_lsn) VALUES ($1, '0/0') \
@@ -277,6 +347,14 @@ impl Applier {
         let start = parse_lsn(row.get(0), "stored apply progress")?;
         let begin = client.prepare("BEGIN").await.map_err(pg)?;
         let commit = client.prepare("COMMIT").await.map_err(pg)?;
+        let lock_own = client
+            .prepare("SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)")
+            .await
+            .map_err(pg)?;
+        let wait_prev = client
+            .prepare("SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)")
+            .await
+            .map_err(pg)?;
         // One statement records progress (only if the previous transaction's
         // is in place: see pipeline.rs) and gives the commit the remote commit
         // timestamp through the origin (schema.rs).
@@ -318,7 +396,7 @@ impl Applier {
             client,
             origin: origin.to_owned(),
             ctx,
-            peer_roident: 0,
+            peer_roidents: Vec::new(),
             origins: HashMap::new(),
             origin_params: (Param::oid_array(&[]), Param::text_array(&[])),
             wm: Arc::new(Watermark {
@@ -346,6 +424,13 @@ impl Applier {
             deferred: Default::default(),
             fk_pending: Vec::new(),
             origin_client: None,
+            lanes: None,
+            turn: None,
+            turn_op: 0,
+            gate_ticket: None,
+            routine_side: 0,
+            lock_own,
+            wait_prev,
         };
         applier.load_origins().await?;
         if let Some(wm) = stored_wm
@@ -353,14 +438,12 @@ impl Applier {
         {
             applier.install_watermark(wm).await?;
         }
-        applier.peer_roident = applier
-            .origins
-            .iter()
-            .find(|(id, n)| **id != 0 && **n == applier.ctx.peer)
-            .map(|(id, _)| *id)
-            .ok_or_else(|| {
-                ApplyFailure::new(None, format!("replication origin {origin} vanished"))
-            })?;
+        if applier.peer_roidents.is_empty() {
+            return Err(ApplyFailure::new(
+                None,
+                format!("replication origin {origin} vanished"),
+            ));
+        }
         // What we read is committed but, with asynchronous commit, maybe not
         // yet flushed: it only becomes durable through the same gate.
         applier.durable_progress().await?;
@@ -415,9 +498,18 @@ impl Applier {
         for r in rows {
             let id: u32 = r.get(0);
             let name: String = r.get(1);
-            let node = name.strip_prefix("mm_").map_or(name.clone(), str::to_owned);
+            let node =
+                crate::stream::names::node_of_origin(&name).map_or(name.clone(), str::to_owned);
             self.origins.insert(id, node);
         }
+        let mut peer: Vec<u32> = self
+            .origins
+            .iter()
+            .filter(|(id, n)| **id != 0 && **n == self.ctx.peer)
+            .map(|(id, _)| *id)
+            .collect();
+        peer.sort_unstable();
+        self.peer_roidents = peer;
         let (ids, names): (Vec<u32>, Vec<String>) = self
             .origins
             .iter()
@@ -445,6 +537,11 @@ impl Applier {
             .execute(&self.store_watermark, &[&self.origin, &json])
             .await
             .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        if let Some(l) = self.lanes.as_mut() {
+            for side in &mut l.side {
+                side.install_watermark(wm.clone()).await?;
+            }
+        }
         self.install_watermark(wm).await
     }
 
@@ -461,7 +558,7 @@ impl Applier {
         let mut ids = Vec::new();
         let mut ts = Vec::new();
         for (node, t) in &wm {
-            if let Some((id, _)) = self.origins.iter().find(|(_, n)| *n == node) {
+            for (id, _) in self.origins.iter().filter(|(_, n)| *n == node) {
                 ids.push(*id);
                 ts.push(PgTimestamp::from_datetime(*t).0);
             }
@@ -475,10 +572,11 @@ impl Applier {
 
     /// Routine cross-origin changes applied since the last call.
     pub fn take_routine(&mut self) -> u64 {
+        self.gather_side_done();
         let total = self.routine_fast + self.routine_careful;
         let n = total.saturating_sub(self.routine_taken);
         self.routine_taken = total;
-        n
+        n + std::mem::take(&mut self.routine_side)
     }
 
     pub(super) fn count_routine(&mut self) {
@@ -497,7 +595,7 @@ impl Applier {
 
     pub(super) fn guard_params(&self, txn: &TxnMeta) -> [Param; 4] {
         [
-            Param::oid(self.peer_roident),
+            Param::oid_array(&self.peer_roidents),
             Param::timestamptz(txn.commit_ts.0),
             self.wm.params.0.clone(),
             self.wm.params.1.clone(),
@@ -522,7 +620,27 @@ impl Applier {
         if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
             self.routine_fast = n;
         }
+        if let Some(l) = self.lanes.as_mut() {
+            // Their sessions count their routine changes (read here).
+            for side in &mut l.side {
+                side.read_routine().await?;
+            }
+        }
         Ok(self.durability.observe(self.last_applied, insert, flush))
+    }
+
+    /// A side lane's routine changes, counted by its session (`mm.routine`).
+    async fn read_routine(&mut self) -> Result<(), ApplyFailure> {
+        let row = self
+            .client
+            .query_one(&self.wal_positions, &[])
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        let routine: Option<String> = row.get(2);
+        if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
+            self.routine_fast = n;
+        }
+        Ok(())
     }
 
     /// Applies a relation description that arrived outside a transaction.
@@ -541,6 +659,12 @@ impl Applier {
     /// `settle` (carrying the failed transaction). A conflict met on the way
     /// is resolved here (`recover`), not returned.
     pub async fn apply(&mut self, meta: &TxnMeta, body: TxnBody) -> Result<(), ApplyFailure> {
+        if self.lanes.is_some() {
+            // Alone (false): every other lane has drained.
+            if self.apply_in_lanes(meta, &body).await? {
+                return Ok(());
+            }
+        }
         self.queued
             .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
         let hot = match self.streak {
@@ -585,7 +709,8 @@ impl Applier {
         pipe.hold(meta.end_lsn, guard);
         // A skipped transaction needs its audit row: never one statement.
         // Tables in foreign keys need their orphan checks before the commit.
-        let single = (!self.skips.contains(&meta.commit_lsn))
+        // In a lane, the transaction needs its locks around its rows.
+        let single = (!self.skips.contains(&meta.commit_lsn) && self.turn.is_none())
             .then(|| body.single_change())
             .flatten()
             .filter(|m| !self.in_foreign_key(m));
@@ -610,6 +735,9 @@ impl Applier {
     /// queued transactions must commit first, letting go of their share:
     /// otherwise the careful one waits for them and they for it.
     pub(super) async fn enter_gate(&mut self) -> Result<super::gate::Shared, ApplyFailure> {
+        if let Some(g) = self.gate_ticket.take() {
+            return Ok(g);
+        }
         if let Some(g) = self.ctx.gate.try_shared() {
             return Ok(g);
         }
@@ -647,17 +775,21 @@ impl Applier {
 
     /// Waits for the next reply (for an idle stream: keeps results flowing).
     pub async fn settle_next(&mut self) -> Result<(), ApplyFailure> {
+        if self.lanes.is_some() {
+            return self.settle_next_lane().await;
+        }
         let keep = self.in_flight().saturating_sub(1);
         self.settle(keep).await
     }
 
+    /// Statements in flight, on every lane.
     pub fn in_flight(&self) -> usize {
-        self.pipe.as_ref().map_or(0, Pipeline::in_flight)
+        self.pipe.as_ref().map_or(0, Pipeline::in_flight) + self.in_flight_lanes()
     }
 
     /// See `Pipeline::wants_more`; true when nothing is in flight.
     pub fn wants_more(&self) -> bool {
-        self.pipe.as_ref().is_none_or(Pipeline::wants_more)
+        self.pipe.as_ref().is_none_or(Pipeline::wants_more) && self.side_lanes_want_more()
     }
 
     pub(super) fn push_done(&mut self, d: Done) {
@@ -668,11 +800,14 @@ impl Applier {
 
     /// Transactions committed since the last call, in commit order.
     pub fn take_done(&mut self) -> Vec<Done> {
-        let done: Vec<Done> = self
+        self.gather_side_done();
+        let mut done: Vec<Done> = self
             .pipe
             .as_mut()
             .map(|p| p.done.drain(..).collect())
             .unwrap_or_default();
+        // Lanes finish in any order; they commit in the publisher's.
+        done.sort_by_key(|d| d.meta.end_lsn);
         if let Some(d) = done.last() {
             self.last_applied = self.last_applied.max(d.meta.end_lsn);
             // Committed: their changes are no longer needed for a redo.

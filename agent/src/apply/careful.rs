@@ -622,7 +622,7 @@ impl Applier {
         };
         crate::conflict::routine::no_resolver_needed(
             &facts,
-            self.peer_roident,
+            &self.peer_roidents,
             |id| {
                 let node = self.origins.get(&id)?;
                 self.wm.map.get(node).copied()
@@ -633,7 +633,7 @@ impl Applier {
 
     /// Counts a no-conflict change to another origin's version as routine.
     fn note_routine(&mut self, v: &Version) {
-        if !v.this_txn && v.roident != Some(self.peer_roident) {
+        if !v.this_txn && !v.roident.is_some_and(|r| self.peer_roidents.contains(&r)) {
             self.count_routine();
         }
     }

@@ -172,6 +172,17 @@ impl Applier {
     /// commit rolls that part back (applied whole at the commit, it fails
     /// again naming its commit LSN); the rest is the stream's error.
     pub async fn resolve_failure(&mut self, f: ApplyFailure) -> Result<(), ApplyFailure> {
+        if self.lanes.is_some() {
+            return self.lanes_failure(f).await;
+        }
+        self.resolve_failure_alone(f).await
+    }
+
+    /// `resolve_failure` once nothing is in flight on any other lane.
+    pub(super) async fn resolve_failure_alone(
+        &mut self,
+        f: ApplyFailure,
+    ) -> Result<(), ApplyFailure> {
         if f.conflict {
             return self.recover(f).await;
         }

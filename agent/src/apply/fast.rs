@@ -56,7 +56,18 @@ impl Applier {
             Vec::new(),
             control_op(OpKind::Control, *meta),
         )
-        .await
+        .await?;
+        // In a lane: the lock the next transaction waits for (`lanes.rs`).
+        if let Some(own) = self.turn.map(|t| t.own) {
+            self.turn_op = pipe.pushed();
+            pipe.push(
+                &self.lock_own.clone(),
+                vec![Param::int4(own.0), Param::int4(own.1)],
+                control_op(OpKind::Control, *meta),
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// Queues the changes `src` holds, after `queue_begin`: all of a
@@ -213,6 +224,16 @@ impl Applier {
         let txn = *meta;
         let control = |kind| control_op(kind, txn);
         self.push_fk_checks(pipe, meta).await?;
+        // In a lane: the one before has committed or rolled back once this
+        // returns, and the guard's own snapshot, taken after it, shows which.
+        if let Some(prev) = self.turn.and_then(|t| t.prev) {
+            pipe.push(
+                &self.wait_prev.clone(),
+                vec![Param::int4(prev.0), Param::int4(prev.1)],
+                control(OpKind::Control),
+            )
+            .await?;
+        }
         pipe.push(
             &self.advance.clone(),
             self.progress_params(meta).to_vec(),

@@ -65,6 +65,13 @@ impl Param {
         Param::Binary(b.freeze())
     }
 
+    /// For a parameter the statement casts to `int4`.
+    pub fn int4(v: i32) -> Param {
+        let mut b = BytesMut::with_capacity(4);
+        types::int4_to_sql(v, &mut b);
+        Param::Binary(b.freeze())
+    }
+
     /// For a parameter the statement casts to `timestamptz`: microseconds
     /// since 2000-01-01 UTC, as pgoutput sends them.
     pub fn timestamptz(micros: i64) -> Param {

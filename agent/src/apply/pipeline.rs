@@ -101,6 +101,14 @@ pub struct Pipeline {
     /// The gate (`gate.rs`), held shared by every queued transaction (by
     /// end LSN) until its commit's reply is read or the pipeline drained.
     guards: VecDeque<(mm_proto::Lsn, super::gate::Shared)>,
+    /// Statements pushed and replies read, ever: an apply lane waits for
+    /// another lane's statement by its number (`lanes.rs`).
+    pushed: u64,
+    answered: u64,
+    /// `settle` returned a failure and the pipeline was not drained since:
+    /// the replies after it must not be read as successes (a COMMIT of an
+    /// aborted transaction answers like one).
+    failed: bool,
 }
 
 impl Pipeline {
@@ -116,7 +124,24 @@ impl Pipeline {
             in_place: 0,
             done: VecDeque::new(),
             guards: VecDeque::new(),
+            pushed: 0,
+            answered: 0,
+            failed: false,
         }
+    }
+
+    /// The number the next pushed statement gets.
+    pub fn pushed(&self) -> u64 {
+        self.pushed
+    }
+
+    /// Whether the reply to statement number `op` has been read.
+    pub fn answered(&self, op: u64) -> bool {
+        self.answered > op
+    }
+
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     /// Holds `guard` until the transaction ending at `end` has committed
@@ -159,6 +184,7 @@ impl Pipeline {
         let client = Arc::clone(&self.client);
         let stmt = stmt.clone();
         self.rows_in_flight += meta.rows;
+        self.pushed += 1;
         let mut fut: OpFuture = if meta.kind == OpKind::UpdateInPlace {
             Box::pin(async move {
                 let r = logged_count(&client, &stmt, params).await;
@@ -203,6 +229,7 @@ impl Pipeline {
             let Some((meta, res)) = next else {
                 break;
             };
+            self.answered += 1;
             self.rows_in_flight = self.rows_in_flight.saturating_sub(meta.rows);
             match res {
                 Ok(n) if meta.kind == OpKind::OrphanCheck => {
@@ -252,6 +279,7 @@ impl Pipeline {
                     self.rows = 0;
                     self.logged.clear();
                     self.in_place = 0;
+                    self.failed = true;
                     return Err(f);
                 }
             }
@@ -292,6 +320,8 @@ impl Pipeline {
     /// failed one, and those queued behind it, whose progress guard fails).
     pub async fn drain(&mut self) {
         while self.inflight.get_mut().next().await.is_some() {}
+        self.answered = self.pushed;
+        self.failed = false;
         self.guards.clear();
         self.count = 0;
         self.rows_in_flight = 0;

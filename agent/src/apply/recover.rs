@@ -201,6 +201,17 @@ impl Applier {
     /// Waits until everything queued is answered; conflicts met on the way
     /// are resolved (which queues transactions again, hence the loop).
     pub(super) async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
+        if self.lanes.is_some() {
+            let r = match self.settle_side_lanes().await {
+                Ok(()) => self.settle(0).await,
+                Err(f) => Err(f),
+            };
+            if let Err(f) = r {
+                self.lanes_failure(f).await?;
+            }
+            self.gather_side_done();
+            return Ok(());
+        }
         loop {
             match self.settle(0).await {
                 Err(f) if f.conflict => self.recover(f).await?,

@@ -36,6 +36,13 @@ pub struct LocalRelation {
     /// Unique indexes usable for collision checks (plain columns, not
     /// partial), as remote column indexes; includes the key index.
     pub unique_indexes: Vec<Vec<usize>>,
+    /// Its writes can be told apart by fingerprints (`schedule.rs`), so its
+    /// transactions may run in parallel apply lanes: a plain table (not
+    /// partitioned), no trigger that fires on apply (ENABLE ALWAYS or
+    /// REPLICA), no rule, no exclusion constraint, every unique index over
+    /// plain columns the publisher sends (`unique_indexes` has them all).
+    /// Foreign keys are checked separately (`fks`).
+    pub lanes_safe: bool,
     /// For each remote column: a `GENERATED ALWAYS AS IDENTITY` column here.
     /// Inserts write the publisher's value (`OVERRIDING SYSTEM VALUE`);
     /// updates leave it out of SET, since PostgreSQL refuses any explicit
@@ -163,6 +170,22 @@ impl LocalRelation {
             )
             .await
             .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
+        let opaque = client
+            .query_one(
+                "SELECT c.relkind <> 'r' OR c.relhasrules \
+                   OR EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
+                              WHERE t.tgrelid = c.oid AND t.tgenabled IN ('A', 'R')) \
+                   OR EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid \
+                              AND i.indisunique AND (i.indpred IS NOT NULL OR i.indexprs IS NOT NULL)) \
+                   OR EXISTS (SELECT 1 FROM pg_catalog.pg_constraint x \
+                              WHERE x.conrelid = c.oid AND x.contype = 'x') \
+                 FROM pg_catalog.pg_class c WHERE c.oid = $1",
+                &[&oid],
+            )
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?
+            .try_get::<_, bool>(0)
+            .map_err(|e| ApplyFailure::from_pg(Some(&display), &e))?;
         let mut unique_indexes = Vec::new();
         for r in &uniq {
             let names: Vec<String> = r.get(0);
@@ -216,6 +239,7 @@ impl LocalRelation {
             locator,
             relid: oid,
             local_types,
+            lanes_safe: !opaque && unique_indexes.len() == uniq.len(),
             unique_indexes,
             always_identity,
             fks: super::fk::ForeignKeys::load(client, oid)

@@ -121,7 +121,7 @@ pub const GUARD_PARAMS: usize = 4;
 
 fn guard(first_param: usize) -> String {
     format!(
-        "CASE WHEN mm.routine(xmin, ${}::oid, ${}::timestamptz, ${}::oid[], ${}::timestamptz[]) THEN true ELSE mm.conflict() END",
+        "CASE WHEN mm.routine(xmin, ${}::oid[], ${}::timestamptz, ${}::oid[], ${}::timestamptz[]) THEN true ELSE mm.conflict() END",
         first_param,
         first_param + 1,
         first_param + 2,
@@ -421,7 +421,7 @@ pub fn fast_update_in_place(
     let decision = "(SELECT d.mm_decision FROM mm_d AS d)";
     format!(
         "WITH mm_c AS MATERIALIZED (SELECT \
-         CASE WHEN o.\"timestamp\" IS NULL OR o.roident = ${peer_oid}::oid THEN true \
+         CASE WHEN o.\"timestamp\" IS NULL OR o.roident = ANY (${peer_oid}::oid[]) THEN true \
          WHEN o.\"timestamp\" <= (${wm_ts}::timestamptz[])[pg_catalog.array_position(${wm_ids}::oid[], o.roident)] \
          AND o.\"timestamp\" < ${ts}::timestamptz THEN mm.count_routine() \
          ELSE false END AS mm_routine, \
@@ -657,11 +657,11 @@ mod tests {
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
             fast_update(&t, &["v"], &key, 1, Commit::Later),
-            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) SELECT count(*)::mm.one_row FROM u"
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid[], $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1) SELECT count(*)::mm.one_row FROM u"
         );
         assert_eq!(
             fast_delete(&t, &key, 1, 42, Some(&["id"]), Commit::Later),
-            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING \"id\"), \
+            "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE \"id\" = $1 AND CASE WHEN mm.routine(xmin, $2::oid[], $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING \"id\"), \
              tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('id', d.\"id\") FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
              SELECT count(*)::mm.one_row FROM d"
         );
@@ -669,7 +669,7 @@ mod tests {
         // fails unless it changed exactly one row.
         assert_eq!(
             fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7 }),
-            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid, $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid[], $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text AND remote_lsn = $8::pg_lsn RETURNING 1) SELECT COALESCE((SELECT 1::bigint FROM u), 0)::mm.one_row, COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
         );
         assert_eq!(
@@ -682,7 +682,7 @@ mod tests {
                 Commit::Fused { first: 6 }
             ),
             "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 LIMIT 1 FOR UPDATE) \
-             AND CASE WHEN mm.routine(xmin, $2::oid, $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
+             AND CASE WHEN mm.routine(xmin, $2::oid[], $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $8::pg_lsn, remote_commit_ts = $9::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $6::text AND remote_lsn = $7::pg_lsn RETURNING 1) SELECT (SELECT count(*) FROM d)::mm.one_row, COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $9::timestamptz)"
         );
         assert_eq!(

@@ -26,11 +26,11 @@ pub struct VersionFacts {
 /// had applied that version before making the change).
 pub fn no_resolver_needed(
     v: &VersionFacts,
-    peer_roident: u32,
+    peer_roidents: &[u32],
     watermark: impl Fn(u32) -> Option<DateTime<Utc>>,
     remote_ts: DateTime<Utc>,
 ) -> bool {
-    if v.this_txn || v.roident == Some(peer_roident) {
+    if v.this_txn || v.roident.is_some_and(|r| peer_roidents.contains(&r)) {
         return true;
     }
     let Some(ts) = v.ts else {

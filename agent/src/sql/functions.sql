@@ -250,11 +250,15 @@ $fn$;
 -- Written out in the hot-key resolving UPDATE (apply/sql.rs,
 -- `fast_update_in_place`) over the commit timestamp and origin it reads
 -- anyway: a change here changes it there.
+-- p_origin: the publisher's origin ids, one per apply lane of its stream
+-- (stream/names.rs): a version any lane wrote is the publisher's.
+DROP FUNCTION IF EXISTS mm.routine(xid, oid, timestamptz, oid[], timestamptz[]);
+DROP FUNCTION IF EXISTS mm.routine_full(xid, oid, timestamptz, oid[], timestamptz[]);
 CREATE OR REPLACE FUNCTION mm.routine_full(
-    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
+    p_xmin xid, p_origin oid[], p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
   SELECT CASE
-    WHEN c.timestamp IS NULL OR c.roident = p_origin THEN true
+    WHEN c.timestamp IS NULL OR c.roident = ANY (p_origin) THEN true
     WHEN c.timestamp <= p_wm_ts[pg_catalog.array_position(p_wm_ids, c.roident)]
          AND c.timestamp < p_ts THEN mm.count_routine()
     ELSE false END
@@ -265,9 +269,9 @@ $fn$;
 -- (one expression, no FROM): a version from the publisher itself. Measured
 -- with pgbench: the full check costs ~20% of a single-row UPDATE, this ~9%.
 CREATE OR REPLACE FUNCTION mm.routine(
-    p_xmin xid, p_origin oid, p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
+    p_xmin xid, p_origin oid[], p_ts timestamptz, p_wm_ids oid[], p_wm_ts timestamptz[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
-  SELECT CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin(p_xmin)).roident = p_origin THEN true
+  SELECT CASE WHEN (pg_catalog.pg_xact_commit_timestamp_origin(p_xmin)).roident = ANY (p_origin) THEN true
               ELSE mm.routine_full(p_xmin, p_origin, p_ts, p_wm_ids, p_wm_ts) END
 $fn$;
 

@@ -47,6 +47,8 @@ pub struct LocalNode {
     pub password: Option<String>,
     pub data_dir: PathBuf,
     pub synchronous_commit: String,
+    /// Apply sessions per stream (`replication.apply_lanes`, `apply/lanes.rs`).
+    pub apply_lanes: usize,
     pub status: Arc<StatusRegistry>,
     pub resolvers: Arc<crate::conflict::TableResolvers>,
     pub watermarks: Arc<crate::watermark::Watermarks>,
@@ -207,6 +209,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             applied: Arc::clone(&local.watermarks),
             gate: local.gate.clone(),
         },
+        local.apply_lanes,
     )
     .await
     .map_err(local_err)?;

@@ -371,7 +371,7 @@ impl Writer {
         for r in rows {
             let id: i64 = r.get(0);
             let name: String = r.get(1);
-            if let (Ok(id), Some(node)) = (u32::try_from(id), name.strip_prefix("mm_")) {
+            if let (Ok(id), Some(node)) = (u32::try_from(id), names::node_of_origin(&name)) {
                 self.origins.insert(id, node.to_owned());
             }
         }
