@@ -167,19 +167,40 @@ async fn lanes_apply_dependent_transactions_in_order_and_commit_in_the_publisher
     // A backlog, so that every lane has work at once.
     c.pause("la", "lb").await?;
     let n = 200;
+    let mut expected_items = 0;
     let mut stmts = Vec::new();
     for i in 1..=n {
-        // A larger transaction keeps its lane busy for a while; the next
-        // two touch its rows: placed anywhere else, they would run first.
+        // A larger transaction keeps its lane busy for a while; the delete
+        // and the update touch its rows: placed anywhere else, they would
+        // run first.
+        // Every tenth is large enough to be still running when the next
+        // one is received.
+        let rows = if i % 10 == 0 { 3000 } else { 100 };
+        expected_items += rows - 2 + 100;
         stmts.push(format!(
             "BEGIN; INSERT INTO items SELECT g, g FROM generate_series({}, {}) g; \
              UPDATE hot SET n = n + 1 WHERE id = {}; COMMIT",
-            i * 100,
-            i * 100 + 99,
+            i * 10_000,
+            i * 10_000 + rows - 1,
             i % 5 + 1
         ));
-        stmts.push(format!("DELETE FROM items WHERE id = {}", i * 100));
-        stmts.push(format!("UPDATE hot SET n = n + 1 WHERE id = {}", i % 5 + 1));
+        // Two statements each: a transaction of one row waits for the one
+        // before it ahead of its only statement, wherever it is placed;
+        // these change rows first and wait at their end.
+        stmts.push(format!(
+            "BEGIN; DELETE FROM items WHERE id = {0}; DELETE FROM items WHERE id = {0} + 1; COMMIT",
+            i * 10_000
+        ));
+        stmts.push(format!(
+            "BEGIN; UPDATE hot SET n = n + 1 WHERE id = {0}; UPDATE hot SET n = n + 1 WHERE id = {0}; COMMIT",
+            i % 5 + 1
+        ));
+        // An independent one: another lane, at the same time.
+        stmts.push(format!(
+            "BEGIN; INSERT INTO items SELECT g, g FROM generate_series({}, {}) g; COMMIT",
+            10_000_000 + i * 100,
+            10_000_000 + i * 100 + 99
+        ));
         if i % 3 == 0 {
             // A unique value freed, then taken by another row.
             stmts.push(format!("UPDATE uniq SET email = 'm{i}' WHERE email = 'x'"));
@@ -205,11 +226,11 @@ async fn lanes_apply_dependent_transactions_in_order_and_commit_in_the_publisher
     }
     assert_eq!(
         one(&c, 1, "SELECT count(*) FROM items").await?,
-        (n * 99).to_string()
+        expected_items.to_string()
     );
     assert_eq!(
         one(&c, 1, "SELECT sum(n) FROM hot").await?,
-        (2 * n).to_string()
+        (3 * n).to_string()
     );
     no_conflicts(&c, 1, "la", "lb").await?;
     // The trigger fired in the publisher's order.

@@ -237,6 +237,8 @@ pub struct Applier {
     /// and the number of the statement that takes its own.
     pub(super) turn: Option<super::lanes::Turn>,
     pub(super) turn_op: u64,
+    /// The transaction queued in a lane went out as one statement.
+    pub(super) turn_fused: bool,
     /// The gate, taken for this lane by the dispatcher (`lanes.rs`).
     pub(super) gate_ticket: Option<super::gate::Shared>,
     /// Routine changes counted by the other lanes, not yet reported.
@@ -427,6 +429,7 @@ impl Applier {
             lanes: None,
             turn: None,
             turn_op: 0,
+            turn_fused: false,
             gate_ticket: None,
             routine_side: 0,
             lock_own,
@@ -709,8 +712,7 @@ impl Applier {
         pipe.hold(meta.end_lsn, guard);
         // A skipped transaction needs its audit row: never one statement.
         // Tables in foreign keys need their orphan checks before the commit.
-        // In a lane, the transaction needs its locks around its rows.
-        let single = (!self.skips.contains(&meta.commit_lsn) && self.turn.is_none())
+        let single = (!self.skips.contains(&meta.commit_lsn))
             .then(|| body.single_change())
             .flatten()
             .filter(|m| !self.in_foreign_key(m));

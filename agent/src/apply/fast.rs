@@ -187,6 +187,20 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
         let progress = self.progress_params(meta);
+        // In a lane: no lock of its own (see `lanes::Turn`); the wait for
+        // the one before is a statement of its own, so the guard's snapshot
+        // is taken after that one ended.
+        if let Some(turn) = self.turn {
+            self.turn_fused = true;
+            if let Some(prev) = turn.prev {
+                pipe.push(
+                    &self.wait_prev.clone(),
+                    vec![Param::int4(prev.0), Param::int4(prev.1)],
+                    control_op(OpKind::Control, txn),
+                )
+                .await?;
+            }
+        }
         match change {
             Message::Insert(i) => self.insert(pipe, txn, i, Some(progress)).await,
             Message::Update(u) => {

@@ -210,6 +210,9 @@ impl Applier {
                 self.lanes_failure(f).await?;
             }
             self.gather_side_done();
+            // Everything committed; what lane 0 queues next (a large
+            // transaction applied while it arrives) holds no lock.
+            self.lanes_settled();
             return Ok(());
         }
         loop {

@@ -25,7 +25,10 @@ use mm_proto::Lsn;
 /// Where a transaction goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
+    /// It shares keys with uncommitted transactions in this lane: there.
     Lane(usize),
+    /// It shares none: anywhere; this lane is the least loaded.
+    Free(usize),
     /// It shares keys with uncommitted transactions in more than one lane:
     /// place it again once some of them committed.
     Wait,
@@ -89,7 +92,7 @@ impl Scheduler {
             .map(|i| (self.next + i) % self.lanes)
             .min_by_key(|l| self.queued[*l].len())
             .unwrap_or(0);
-        Placement::Lane(least)
+        Placement::Free(least)
     }
 
     /// Records that the transaction ending at `end` went to `lane`.
@@ -131,7 +134,7 @@ mod tests {
         let mut s = Scheduler::new(3);
         let mut used = Vec::new();
         for (i, key) in [1u64, 2, 3].into_iter().enumerate() {
-            let Placement::Lane(l) = s.place(&[key]) else {
+            let Placement::Free(l) = s.place(&[key]) else {
                 panic!("no dependency, yet told to wait");
             };
             s.assign(l, lsn(10 + i as u64), vec![key]);
@@ -167,7 +170,7 @@ mod tests {
         assert_eq!(s.place(&[1, 2]), Placement::Lane(1));
         s.retire(lsn(20));
         assert_eq!(s.queued_in(0) + s.queued_in(1), 0);
-        assert!(matches!(s.place(&[1, 2]), Placement::Lane(_)));
+        assert!(matches!(s.place(&[1, 2]), Placement::Free(_)));
     }
 
     #[test]
@@ -182,7 +185,7 @@ mod tests {
         assert_eq!(s.place(&[1]), Placement::Lane(0));
         s.clear();
         assert_eq!(s.queued_in(0), 0);
-        assert!(matches!(s.place(&[1]), Placement::Lane(_)));
+        assert!(matches!(s.place(&[1]), Placement::Free(_)));
     }
 
     #[test]
@@ -190,6 +193,6 @@ mod tests {
         let mut s = Scheduler::new(1);
         s.assign(0, lsn(10), vec![1]);
         assert_eq!(s.place(&[1]), Placement::Lane(0));
-        assert_eq!(s.place(&[2]), Placement::Lane(0));
+        assert_eq!(s.place(&[2]), Placement::Free(0));
     }
 }
