@@ -157,7 +157,8 @@ async fn agent_refuses_unmet_prerequisites_one_line_each() -> Result<()> {
         "bad1",
         PgOptions::default()
             .conf("wal_level", "replica")
-            .conf("track_commit_timestamp", "off"),
+            .conf("track_commit_timestamp", "off")
+            .conf("max_active_replication_origins", "2"),
     )?;
     pg.execute("CREATE TABLE no_key (a int)").await?;
     let dir = tempfile::tempdir()?;
@@ -165,13 +166,18 @@ async fn agent_refuses_unmet_prerequisites_one_line_each() -> Result<()> {
         token_file: dir.path().join("token"),
     };
     std::fs::write(&secrets.token_file, "secret-token-value")?;
-    let mut agent = AgentProcess::spawn("bad1", &pg, &secrets)?;
+    // Four apply lanes need an origin each per peer: 2 is too few.
+    let mut agent = AgentProcess::spawn_with("bad1", &pg, &secrets, &[], "apply_lanes = 4\n")?;
     let st = agent.wait_exit(Duration::from_secs(30))?;
     assert!(!st.success());
     let log = agent.log();
     assert!(log.contains("wal_level is 'replica'"), "{log}");
     assert!(log.contains("track_commit_timestamp is 'off'"), "{log}");
     assert!(log.contains("public.no_key"), "{log}");
+    assert!(
+        log.contains("max_active_replication_origins is 2, must be at least 5"),
+        "{log}"
+    );
     assert!(!log.contains("secret-token-value"), "token leaked");
     Ok(())
 }

@@ -612,6 +612,19 @@ impl Applier {
     /// PostgreSQL's own get_flush_position, at the granularity of our ticks.
     pub async fn durable_progress(&mut self) -> Result<Lsn, ApplyFailure> {
         self.settle_all().await?;
+        let (insert, flush) = self.wal_positions().await?;
+        if let Some(l) = self.lanes.as_mut() {
+            // Their sessions count their own routine changes.
+            for side in &mut l.side {
+                side.wal_positions().await?;
+            }
+        }
+        Ok(self.durability.observe(self.last_applied, insert, flush))
+    }
+
+    /// The local WAL insert and flush positions, and this session's count of
+    /// routine changes (`mm.routine`, a session setting) into `routine_fast`.
+    async fn wal_positions(&mut self) -> Result<(Lsn, Lsn), ApplyFailure> {
         let row = self
             .client
             .query_one(&self.wal_positions, &[])
@@ -623,27 +636,7 @@ impl Applier {
         if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
             self.routine_fast = n;
         }
-        if let Some(l) = self.lanes.as_mut() {
-            // Their sessions count their routine changes (read here).
-            for side in &mut l.side {
-                side.read_routine().await?;
-            }
-        }
-        Ok(self.durability.observe(self.last_applied, insert, flush))
-    }
-
-    /// A side lane's routine changes, counted by its session (`mm.routine`).
-    async fn read_routine(&mut self) -> Result<(), ApplyFailure> {
-        let row = self
-            .client
-            .query_one(&self.wal_positions, &[])
-            .await
-            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
-        let routine: Option<String> = row.get(2);
-        if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
-            self.routine_fast = n;
-        }
-        Ok(())
+        Ok((insert, flush))
     }
 
     /// Applies a relation description that arrived outside a transaction.

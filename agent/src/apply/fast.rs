@@ -192,14 +192,7 @@ impl Applier {
         // is taken after that one ended.
         if let Some(turn) = self.turn {
             self.turn_fused = true;
-            if let Some(prev) = turn.prev {
-                pipe.push(
-                    &self.wait_prev.clone(),
-                    vec![Param::int4(prev.0), Param::int4(prev.1)],
-                    control_op(OpKind::Control, txn),
-                )
-                .await?;
-            }
+            self.push_wait_prev(pipe, turn.prev, txn).await?;
         }
         match change {
             Message::Insert(i) => self.insert(pipe, txn, i, Some(progress)).await,
@@ -229,6 +222,27 @@ impl Applier {
         ]
     }
 
+    /// In a lane: waits until the transaction before, in another lane, has
+    /// committed or rolled back (`lanes.rs`); nothing when there is none.
+    async fn push_wait_prev(
+        &self,
+        pipe: &mut Pipeline,
+        prev: Option<(i32, i32)>,
+        txn: TxnMeta,
+    ) -> Result<(), ApplyFailure> {
+        match prev {
+            Some(prev) => {
+                pipe.push(
+                    &self.wait_prev,
+                    vec![Param::int4(prev.0), Param::int4(prev.1)],
+                    control_op(OpKind::Control, txn),
+                )
+                .await
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Records progress (on top of the previous transaction's) and commits.
     pub(super) async fn finish_queue(
         &mut self,
@@ -240,14 +254,8 @@ impl Applier {
         self.push_fk_checks(pipe, meta).await?;
         // In a lane: the one before has committed or rolled back once this
         // returns, and the guard's own snapshot, taken after it, shows which.
-        if let Some(prev) = self.turn.and_then(|t| t.prev) {
-            pipe.push(
-                &self.wait_prev.clone(),
-                vec![Param::int4(prev.0), Param::int4(prev.1)],
-                control(OpKind::Control),
-            )
+        self.push_wait_prev(pipe, self.turn.and_then(|t| t.prev), txn)
             .await?;
-        }
         pipe.push(
             &self.advance.clone(),
             self.progress_params(meta).to_vec(),
