@@ -152,6 +152,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
             "parallel apply: each peer's stream applies on this many sessions, committing in the peer's order"
         );
     }
+    let gate = crate::apply::Gate::new();
     let state = AppState {
         raft: raft.clone(),
         token: Arc::clone(&token),
@@ -163,6 +164,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         status: Arc::clone(&status),
         join: crate::join::JoinOptions::default(),
         sync: Arc::clone(&sync_progress),
+        gate: gate.clone(),
     };
     let server = tokio::spawn(api::serve(listener, state));
 
@@ -177,7 +179,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         status: Arc::clone(&status),
         resolvers: Arc::new(resolvers),
         watermarks: Arc::clone(&watermarks),
-        gate: crate::apply::Gate::new(),
+        gate: gate.clone(),
         token: Arc::clone(&token),
     };
     let watermark_task = tokio::spawn(crate::watermark::run(
@@ -198,6 +200,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
     let compensator = tokio::spawn(crate::compensate::run(
         cfg.postgres.dsn.clone(),
         local.password.clone(),
+        gate,
     ));
     let sequences = tokio::spawn(
         crate::sequences::Manager {

@@ -80,6 +80,7 @@ async fn start_node(name: &str, dir: &Path, port: u16, local_dsn: &str) -> Node 
         status: Arc::clone(&status),
         join: join_opts(),
         sync: Arc::new(mm_agent::sync::Progress::default()),
+        gate: mm_agent::apply::Gate::new(),
     };
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(api::serve_with_shutdown(listener, state, async move {

@@ -1149,6 +1149,38 @@ async fn lww_key_change_vs_later_update_of_the_old_key() -> Result<()> {
     Ok(())
 }
 
+/// The chain of the test below, up to the collision: row 1 at 'K' on A
+/// (`names[0]`), B's move of row 2 onto 'K' and away to 'M' applied on C
+/// only. Every stream but B -> C stays paused, and `also_paused` too.
+async fn stage_collision(
+    c: &TestCluster,
+    names: [&str; 3],
+    also_paused: &[(&str, &str)],
+) -> Result<()> {
+    let [a, b, cc] = names;
+    seed(
+        c,
+        "INSERT INTO u VALUES (1, 'x1', 'init'), (2, 'x2', 'init')",
+    )
+    .await?;
+    for &(from, to) in [(a, b), (b, a), (a, cc), (b, cc)].iter().chain(also_paused) {
+        c.pause(from, to).await?;
+    }
+    write(c, 0, "UPDATE u SET email = 'K', v = 'a' WHERE id = 1").await?;
+    write(c, 1, "UPDATE u SET email = 'K', v = 'b' WHERE id = 2").await?;
+    write(c, 1, "UPDATE u SET email = 'M' WHERE id = 2").await?;
+    // C and B see B's move away before A's change arrives: no collision
+    // there. A gets B's changes while holding row 1 at 'K'.
+    c.resume(b, cc).await?;
+    c.wait_for(
+        2,
+        "SELECT email FROM u WHERE id = 2",
+        "M",
+        Duration::from_secs(30),
+    )
+    .await
+}
+
 /// A chain the per-key rules alone cannot settle: A moves row 1 onto email
 /// 'K'; later B moves row 2 onto 'K' and then away to 'M'. Where B's first
 /// change meets A's (on A), row 1 gives way; a node that gets B's changes
@@ -1158,33 +1190,9 @@ async fn lww_key_change_vs_later_update_of_the_old_key() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lww_unique_collision_compensates_on_nodes_that_never_saw_it() -> Result<()> {
     mm_tests::init_tracing();
-    let c = cluster(&["luc1", "luc2", "luc3"], U_SCHEMA, Res::Lww).await?;
-    seed(
-        &c,
-        "INSERT INTO u VALUES (1, 'x1', 'init'), (2, 'x2', 'init')",
-    )
-    .await?;
-    for (from, to) in [
-        ("luc1", "luc2"),
-        ("luc2", "luc1"),
-        ("luc1", "luc3"),
-        ("luc2", "luc3"),
-    ] {
-        c.pause(from, to).await?;
-    }
-    write(&c, 0, "UPDATE u SET email = 'K', v = 'a' WHERE id = 1").await?;
-    write(&c, 1, "UPDATE u SET email = 'K', v = 'b' WHERE id = 2").await?;
-    write(&c, 1, "UPDATE u SET email = 'M' WHERE id = 2").await?;
-    // luc3 and luc2 see B's move away before A's change arrives: no
-    // collision there. luc1 gets B's changes while holding row 1 at 'K'.
-    c.resume("luc2", "luc3").await?;
-    c.wait_for(
-        2,
-        "SELECT email FROM u WHERE id = 2",
-        "M",
-        Duration::from_secs(30),
-    )
-    .await?;
+    let names = ["luc1", "luc2", "luc3"];
+    let c = cluster(&names, U_SCHEMA, Res::Lww).await?;
+    stage_collision(&c, names, &[]).await?;
     c.resume("luc1", "luc3").await?;
     c.resume("luc1", "luc2").await?;
     c.resume("luc2", "luc1").await?;
@@ -1202,6 +1210,73 @@ async fn lww_unique_collision_compensates_on_nodes_that_never_saw_it() -> Result
         sent.as_deref() == Some("1"),
         "luc1 recorded {sent:?} compensating deletes, want 1"
     );
+    Ok(())
+}
+
+/// A compensating delete raises its key's tombstone without deleting a
+/// row, so PostgreSQL does not order it against an apply session that
+/// reads the same tombstone: once, A's compensating delete of row 1 (at
+/// A's time) committed while C's older delete of row 1 was being applied
+/// on A; the apply had read the tombstone before and wrote its older
+/// version over the compensation's after, and a later insert of row 1
+/// from C, older than the compensation, then got in on A only
+/// (`e2e_convergence` seed_b, `MM_SEED=13`). The compensating delete now
+/// holds the apply gate like a careful transaction, and locks the table
+/// against users' writes. Here a trigger holds it open for seconds, after
+/// its tombstone and before its commit, while C's delete and insert of
+/// row 1 arrive and a user on A inserts row 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compensating_delete_is_ordered_against_apply_of_the_same_key() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = ["lco1", "lco2", "lco3"];
+    let c = cluster(&names, U_SCHEMA, Res::Lww).await?;
+    // The compensation, as in the test above: lco1 will meet B's move of
+    // row 2 onto 'K' while holding row 1 there. lco3's stream to lco1
+    // waits too.
+    stage_collision(&c, names, &[("lco3", "lco1")]).await?;
+    // Hold lco1's compensating delete open after its tombstone is written.
+    c.pg[0]
+        .execute(
+            "CREATE FUNCTION public.hold_compensation() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(4); RETURN OLD; END $$;
+             CREATE TRIGGER hold BEFORE DELETE ON mm.compensations
+               FOR EACH ROW EXECUTE FUNCTION public.hold_compensation();",
+        )
+        .await?;
+    c.resume("lco2", "lco1").await?;
+    c.wait_for(
+        0,
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await?;
+    // While it is open: lco3 deletes row 1 and inserts it again, both
+    // older than the compensation, and lco1 gets them at once. And a user
+    // on lco1 inserts row 1: its commit must come after the compensation's
+    // (the table is locked against writers), or lco1 alone would keep an
+    // insert older than the compensation that deleted it everywhere else.
+    write(&c, 2, "DELETE FROM u WHERE id = 1").await?;
+    write(&c, 2, "INSERT INTO u VALUES (1, 'z', 'late')").await?;
+    c.resume("lco3", "lco1").await?;
+    let user = c.pg[0].connect().await?;
+    let user = tokio::spawn(async move {
+        user.batch_execute("INSERT INTO u VALUES (1, 'u', 'user')")
+            .await
+    });
+    c.resume("lco1", "lco3").await?;
+    c.resume("lco1", "lco2").await?;
+    user.await?.context("the user's insert of row 1 on lco1")?;
+    c.wait_sync(90).await?;
+    c.pg[0]
+        .execute("DROP TRIGGER hold ON mm.compensations")
+        .await?;
+    // The user's insert is the newest write of row 1, after the
+    // compensation; lco3's are older than both.
+    let want: &[&[&str]] = &[&["1", "u", "user"], &["2", "M", "b"]];
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_U, want).await?;
+    }
     Ok(())
 }
 

@@ -232,7 +232,7 @@ pub(super) async fn wal_lsn(State(s): State<AppState>) -> Result<Json<WalLsnResp
         ApiError::unavailable(format!("local PostgreSQL: {what}: {e}"))
     };
     // Due compensating deletes first, so the position covers them.
-    let compensations_waiting = crate::compensate::drain(&client)
+    let compensations_waiting = crate::compensate::drain(&client, &s.gate)
         .await
         .map_err(|e| unavailable("sending compensating deletes", e))?;
     let compensations = crate::compensate::recorded(&client)

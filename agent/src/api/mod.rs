@@ -55,6 +55,9 @@ pub struct AppState {
     pub join: JoinOptions,
     /// This node's add-node copy, when it is being added (`GET /v1/sync`).
     pub sync: Arc<crate::sync::Progress>,
+    /// The apply gate: `/v1/wal-lsn` sends due compensating deletes, which
+    /// run alone like careful transactions (`compensate.rs`).
+    pub gate: crate::apply::Gate,
 }
 
 /// Serves the API until the listener fails.

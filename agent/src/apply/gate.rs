@@ -12,7 +12,9 @@
 //! fast-path transaction holds the gate shared from before its first
 //! statement is sent until its COMMIT reply is read (or its pipeline is
 //! drained after a failure); a careful transaction holds it exclusively from
-//! before its BEGIN to after its COMMIT. The lock is tokio's, which is fair:
+//! before its BEGIN to after its COMMIT. So does each compensating delete
+//! (`compensate.rs`): it raises a tombstone as a careful transaction does.
+//! The lock is tokio's, which is fair:
 //! once a careful transaction waits, new fast-path transactions queue behind
 //! it, so neither side starves.
 //!

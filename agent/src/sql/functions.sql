@@ -324,11 +324,20 @@ $fn$;
 -- here already, so there is no row change to replicate). Peers apply it as
 -- a delete of that key (apply/compensation.rs), through the same conflict
 -- rules as any delete; it is newer than every version involved
--- (`not_before`), so it wins on every node. False: not yet (clock).
+-- (`not_before`), so it wins on every node. False: not yet (clock, or a
+-- user's transaction still writing the table).
+--
+-- The table is locked against writers (SHARE ROW EXCLUSIVE) before the
+-- delete: a user's INSERT of the key committing between the delete's
+-- snapshot and this commit would keep a row here older than the
+-- compensation, which loses to it on every other node. Apply sessions are
+-- kept out by the agent's gate (compensate.rs). The wait is short
+-- (lock_timeout): the agent holds its gate meanwhile, and tries again
+-- later rather than stall every stream behind a long user transaction.
 CREATE OR REPLACE FUNCTION mm.compensate(p_id bigint) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
-SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
+SET IntervalStyle = 'postgres' SET extra_float_digits = 3 SET lock_timeout = '200ms' AS $fn$
 #variable_conflict use_variable
 DECLARE
   c record;
@@ -349,6 +358,11 @@ BEGIN
     DELETE FROM mm.compensations WHERE id = p_id;
     RETURN true;
   END IF;
+  BEGIN
+    EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', c.relid::regclass);
+  EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+  END;
   EXECUTE format('DELETE FROM %s r USING pg_catalog.jsonb_populate_record(NULL::%s, $1) p WHERE %s',
                  c.relid::regclass, c.relid::regclass,
                  (SELECT string_agg(format('r.%I = p.%I', k, k), ' AND ') FROM unnest(cols) k))
