@@ -24,6 +24,7 @@ use tracing::warn;
 use crate::apply::Gate;
 
 const POLL: Duration = Duration::from_millis(200);
+const MAX_POLL: Duration = Duration::from_secs(2);
 
 /// Sends every recorded compensating delete whose time has come; returns
 /// how many are still waiting (their `not_before` is ahead of the clock).
@@ -87,12 +88,21 @@ pub async fn run(dsn: String, password: Option<String>, gate: Gate) {
                 continue;
             }
         };
+        let mut poll = POLL;
         loop {
-            if let Err(e) = drain(&client, &gate).await {
-                warn!(error = %e, "compensating deletes: sending failed; retrying");
-                break;
+            match drain(&client, &gate).await {
+                // Waiting ones: not due yet, or their table held by a
+                // user's transaction; each try holds every stream's apply
+                // up for a moment (up to `lock_timeout`), so try less often
+                // while they wait.
+                Ok(0) => poll = POLL,
+                Ok(_) => poll = (poll * 2).min(MAX_POLL),
+                Err(e) => {
+                    warn!(error = %e, "compensating deletes: sending failed; retrying");
+                    break;
+                }
             }
-            tokio::time::sleep(POLL).await;
+            tokio::time::sleep(poll).await;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }

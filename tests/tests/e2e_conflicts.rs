@@ -1280,6 +1280,57 @@ async fn compensating_delete_is_ordered_against_apply_of_the_same_key() -> Resul
     Ok(())
 }
 
+/// The other side of that lock: while a user's transaction on A holds
+/// the table with a write, A's compensating delete waits for it, and so
+/// does `wait-sync`, saying why; the streams into A keep applying (the
+/// compensation lets go of the gate between its short tries); once the
+/// user commits, the compensation goes out and every node ends alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Result<()> {
+    mm_tests::init_tracing();
+    let names = ["lcw1", "lcw2", "lcw3"];
+    let c = cluster(&names, U_SCHEMA, Res::Lww).await?;
+    stage_collision(&c, names, &[]).await?;
+    let user = c.pg[0].connect().await?;
+    user.batch_execute("BEGIN; INSERT INTO u VALUES (9, 'held', 'user')")
+        .await?;
+    c.resume("lcw2", "lcw1").await?;
+    c.resume("lcw1", "lcw3").await?;
+    c.resume("lcw1", "lcw2").await?;
+    // lcw1 applied lcw2's changes (row 2 at 'M') though its compensation
+    // cannot go yet.
+    c.wait_for(
+        0,
+        "SELECT email FROM u WHERE id = 2",
+        "M",
+        Duration::from_secs(30),
+    )
+    .await?;
+    let out = c.mmctl(0, &["wait-sync", "--timeout", "3"]).await?;
+    ensure!(
+        !out.success()
+            && format!("{}{}", out.stdout, out.stderr)
+                .contains("compensating delete(s) not sent yet"),
+        "wait-sync with a compensation held by a user's transaction:\n{}{}",
+        out.stdout,
+        out.stderr
+    );
+    let waiting = c.pg[0]
+        .query_one_string("SELECT count(*) FROM mm.compensations")
+        .await?;
+    ensure!(
+        waiting.as_deref() == Some("1"),
+        "waiting compensations: {waiting:?}"
+    );
+    user.batch_execute("COMMIT").await?;
+    c.wait_sync(90).await?;
+    let want: &[&[&str]] = &[&["2", "M", "b"], &["9", "held", "user"]];
+    for i in 0..3 {
+        assert_rows(&c, i, DUMP_U, want).await?;
+    }
+    Ok(())
+}
+
 /// A's insert (1, 'e2') meets B's rows (1, 'e1') and (2, 'e2'): on B it
 /// collides with row 1 by the primary key and row 2 by the unique column.
 /// `a_first`: A's insert is the older one and loses; else it wins.

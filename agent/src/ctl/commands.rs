@@ -481,11 +481,16 @@ pub async fn wait_sync(
                 recorded = now_recorded;
                 waiting = now_waiting;
                 rounds += 1;
+                let why = if now_waiting > 0 {
+                    format!(
+                        "{now_waiting} compensating delete(s) not sent yet (not due, or their \
+                         table is held by a user's transaction writing it)"
+                    )
+                } else {
+                    "compensating deletes sent since the barrier".to_owned()
+                };
                 for k in &all_pairs {
-                    pending.insert(
-                        k.clone(),
-                        "compensating deletes sent since the barrier".into(),
-                    );
+                    pending.insert(k.clone(), why.clone());
                 }
                 if Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -337,7 +337,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION mm.compensate(p_id bigint) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
-SET IntervalStyle = 'postgres' SET extra_float_digits = 3 SET lock_timeout = '200ms' AS $fn$
+SET IntervalStyle = 'postgres' SET extra_float_digits = 3 SET lock_timeout = '50ms' AS $fn$
 #variable_conflict use_variable
 DECLARE
   c record;
