@@ -26,8 +26,14 @@ use crate::apply::Gate;
 const POLL: Duration = Duration::from_millis(200);
 const MAX_POLL: Duration = Duration::from_secs(2);
 
+/// How long a compensating delete waits for the gate: a fast-path
+/// transaction blocked on a user's row lock holds it, and while the
+/// compensation waits, every stream's next transaction queues behind it.
+const GATE_WAIT: Duration = Duration::from_secs(1);
+
 /// Sends every recorded compensating delete whose time has come; returns
-/// how many are still waiting (their `not_before` is ahead of the clock).
+/// how many are still waiting (their `not_before` is ahead of the clock,
+/// their table is held by a user's transaction, or the apply gate is).
 pub async fn drain(client: &Client, gate: &Gate) -> Result<u64, tokio_postgres::Error> {
     if !installed(client).await? {
         return Ok(0);
@@ -38,7 +44,10 @@ pub async fn drain(client: &Client, gate: &Gate) -> Result<u64, tokio_postgres::
     let mut waiting = 0;
     for row in ids {
         let id: i64 = row.try_get(0)?;
-        let _alone = gate.exclusive().await;
+        let Ok(_alone) = tokio::time::timeout(GATE_WAIT, gate.exclusive()).await else {
+            waiting += 1;
+            continue;
+        };
         let done: bool = client
             .query_one("SELECT mm.compensate($1)", &[&id])
             .await?

@@ -1283,16 +1283,25 @@ async fn compensating_delete_is_ordered_against_apply_of_the_same_key() -> Resul
 /// The other side of that lock: while a user's transaction on A holds
 /// the table with a write, A's compensating delete waits for it, and so
 /// does `wait-sync`, saying why; the streams into A keep applying (the
-/// compensation lets go of the gate between its short tries); once the
-/// user commits, the compensation goes out and every node ends alike.
+/// compensation lets go of the gate between its short tries). Then the
+/// table is free but a stream's transaction into A waits for a user's row
+/// lock, holding the apply gate: the compensation gives up its turn after
+/// a second instead of waiting with every stream queued behind it (and
+/// `wait-sync` with it). Once both users are done, the compensation goes
+/// out and every node ends alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Result<()> {
     mm_tests::init_tracing();
     let names = ["lcw1", "lcw2", "lcw3"];
-    let c = cluster(&names, U_SCHEMA, Res::Lww).await?;
+    let schema = format!("{U_SCHEMA} CREATE TABLE w (id int PRIMARY KEY, v text);");
+    let c = cluster(&names, &schema, Res::Lww).await?;
+    // Replicated by the seed's wait-sync: lcw3's stream is idle when the
+    // first wait-sync below runs.
+    write(&c, 2, "INSERT INTO w VALUES (1, 'a')").await?;
     stage_collision(&c, names, &[]).await?;
-    let user = c.pg[0].connect().await?;
-    user.batch_execute("BEGIN; INSERT INTO u VALUES (9, 'held', 'user')")
+    let table_user = c.pg[0].connect().await?;
+    table_user
+        .batch_execute("BEGIN; INSERT INTO u VALUES (9, 'held', 'user')")
         .await?;
     c.resume("lcw2", "lcw1").await?;
     c.resume("lcw1", "lcw3").await?;
@@ -1306,15 +1315,28 @@ async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Resu
         Duration::from_secs(30),
     )
     .await?;
-    let out = c.mmctl(0, &["wait-sync", "--timeout", "3"]).await?;
-    ensure!(
-        !out.success()
-            && format!("{}{}", out.stdout, out.stderr)
-                .contains("compensating delete(s) not sent yet"),
-        "wait-sync with a compensation held by a user's transaction:\n{}{}",
-        out.stdout,
-        out.stderr
-    );
+    let not_sent = |why: &str, out: &mm_tests::agent::MmctlOutput| -> Result<()> {
+        ensure!(
+            !out.success()
+                && format!("{}{}", out.stdout, out.stderr)
+                    .contains("compensating delete(s) not sent yet"),
+            "wait-sync with a compensation held up by {why}:\n{}{}",
+            out.stdout,
+            out.stderr
+        );
+        Ok(())
+    };
+    // Once every stream is seen caught up (an idle stream's position moves
+    // with the publisher's next announcement), the compensation is what
+    // wait-sync waits for, and it says so.
+    let mut out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    for _ in 0..8 {
+        if out.success() || format!("{}{}", out.stdout, out.stderr).contains("not sent yet") {
+            break;
+        }
+        out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    }
+    not_sent("a user's write on its table", &out)?;
     let waiting = c.pg[0]
         .query_one_string("SELECT count(*) FROM mm.compensations")
         .await?;
@@ -1322,11 +1344,35 @@ async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Resu
         waiting.as_deref() == Some("1"),
         "waiting compensations: {waiting:?}"
     );
-    user.batch_execute("COMMIT").await?;
+    // A user's row lock on w holds lcw3's update of it (and the gate).
+    let row_user = c.pg[0].connect().await?;
+    row_user
+        .batch_execute("BEGIN; SELECT * FROM w WHERE id = 1 FOR UPDATE")
+        .await?;
+    write(&c, 2, "UPDATE w SET v = 'b' WHERE id = 1").await?;
+    c.wait_for(
+        0,
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'",
+        "1",
+        Duration::from_secs(30),
+    )
+    .await?;
+    table_user.batch_execute("COMMIT").await?;
+    // wait-sync sends due compensations first (`/v1/wal-lsn`): one that
+    // waited for the gate without end held it up past its HTTP timeout.
+    let out = c.mmctl(0, &["wait-sync", "--timeout", "3"]).await?;
+    let text = format!("{}{}", out.stdout, out.stderr);
+    ensure!(
+        !out.success() && text.contains("lcw3 → lcw1 ("),
+        "wait-sync while lcw3's update waits for a user's row lock on lcw1 \
+         and lcw1's compensation waits for the gate:\n{text}"
+    );
+    row_user.batch_execute("COMMIT").await?;
     c.wait_sync(90).await?;
     let want: &[&[&str]] = &[&["2", "M", "b"], &["9", "held", "user"]];
     for i in 0..3 {
         assert_rows(&c, i, DUMP_U, want).await?;
+        assert_rows(&c, i, "SELECT id, v FROM w", &[&["1", "b"]]).await?;
     }
     Ok(())
 }

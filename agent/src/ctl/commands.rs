@@ -483,8 +483,8 @@ pub async fn wait_sync(
                 rounds += 1;
                 let why = if now_waiting > 0 {
                     format!(
-                        "{now_waiting} compensating delete(s) not sent yet (not due, or their \
-                         table is held by a user's transaction writing it)"
+                        "{now_waiting} compensating delete(s) not sent yet (not due yet, or \
+                         held up by a user's transaction)"
                     )
                 } else {
                     "compensating deletes sent since the barrier".to_owned()
