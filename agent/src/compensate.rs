@@ -7,9 +7,10 @@
 //! none is lost to a crash (it waits in `mm.compensations`).
 //!
 //! Invariant: each `mm.compensate` runs holding the apply gate exclusively
-//! (`apply/gate.rs`), like a careful transaction. It raises its key's
-//! tombstone without deleting a row (the row is usually gone already), and
-//! nothing in PostgreSQL orders that against an apply session reading and
+//! (`apply/gate.rs`), like a careful transaction, or waits for a later try.
+//! It raises its key's tombstone without deleting a row (the row is usually
+//! gone already), and nothing in PostgreSQL orders that against an apply
+//! session reading and
 //! then raising the same tombstone: once the apply had read the tombstone
 //! before the compensation committed and wrote its older version after,
 //! the compensation was undone here only, and a later insert of the key,
