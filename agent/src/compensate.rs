@@ -10,11 +10,11 @@
 //! (`apply/gate.rs`), like a careful transaction, or waits for a later try.
 //! It raises its key's tombstone without deleting a row (the row is usually
 //! gone already), and nothing in PostgreSQL orders that against an apply
-//! session reading and
-//! then raising the same tombstone: once the apply had read the tombstone
-//! before the compensation committed and wrote its older version after,
-//! the compensation was undone here only, and a later insert of the key,
-//! older than the compensation, got in on this node alone (a divergence,
+//! session reading and then raising the same tombstone: once the apply had
+//! read the tombstone before the compensation committed and wrote its older
+//! version after, the compensation was undone here only, and a later insert
+//! of the key, older than the compensation, got in on this node alone (a
+//! divergence,
 //! `e2e_conflicts::compensating_delete_is_ordered_against_apply_of_the_same_key`).
 
 use std::time::Duration;

@@ -1377,6 +1377,50 @@ async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Resu
     Ok(())
 }
 
+/// A compensating delete whose row is back and locked by a user's
+/// transaction (`SELECT .. FOR UPDATE`) waits for it like one held up by a
+/// writer: `wait-sync` says so (the function used to fail on its lock
+/// timeout, and wait-sync with it), and once the user commits, the row is
+/// deleted on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compensating_delete_of_a_row_a_user_has_locked_waits_for_it() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["lcr1", "lcr2"], U_SCHEMA, Res::Lww).await?;
+    seed(&c, "INSERT INTO u VALUES (1, 'x1', 'init')").await?;
+    let user = c.pg[0].connect().await?;
+    user.batch_execute("BEGIN; SELECT * FROM u WHERE id = 1 FOR UPDATE")
+        .await?;
+    // As the apply path records one (its key's row gave way on a unique
+    // value elsewhere), due at once.
+    c.pg[0]
+        .execute(
+            "INSERT INTO mm.compensations (relid, key, not_before) \
+             VALUES ('u'::regclass, '{\"id\": 1}', now() - interval '1 s')",
+        )
+        .await?;
+    let mut out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    for _ in 0..8 {
+        if out.success() || format!("{}{}", out.stdout, out.stderr).contains("not sent yet") {
+            break;
+        }
+        out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    }
+    ensure!(
+        !out.success()
+            && format!("{}{}", out.stdout, out.stderr)
+                .contains("compensating delete(s) not sent yet"),
+        "wait-sync with a compensation held up by a user's row lock:\n{}{}",
+        out.stdout,
+        out.stderr
+    );
+    user.batch_execute("COMMIT").await?;
+    c.wait_sync(60).await?;
+    for i in 0..2 {
+        assert_rows(&c, i, DUMP_U, &[]).await?;
+    }
+    Ok(())
+}
+
 /// A's insert (1, 'e2') meets B's rows (1, 'e1') and (2, 'e2'): on B it
 /// collides with row 1 by the primary key and row 2 by the unique column.
 /// `a_first`: A's insert is the older one and loses; else it wins.

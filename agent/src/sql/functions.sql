@@ -325,7 +325,7 @@ $fn$;
 -- a delete of that key (apply/compensation.rs), through the same conflict
 -- rules as any delete; it is newer than every version involved
 -- (`not_before`), so it wins on every node. False: not yet (clock, or a
--- user's transaction still writing the table).
+-- user's transaction still writing the table or locking the key's row).
 --
 -- The table is locked against writers (SHARE ROW EXCLUSIVE) before the
 -- delete: a user's INSERT of the key committing between the delete's
@@ -358,15 +358,16 @@ BEGIN
     DELETE FROM mm.compensations WHERE id = p_id;
     RETURN true;
   END IF;
+  -- A user's row lock on the key's row holds the delete up just as long.
   BEGIN
     EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', c.relid::regclass);
+    EXECUTE format('DELETE FROM %s r USING pg_catalog.jsonb_populate_record(NULL::%s, $1) p WHERE %s',
+                   c.relid::regclass, c.relid::regclass,
+                   (SELECT string_agg(format('r.%I = p.%I', k, k), ' AND ') FROM unnest(cols) k))
+      USING c.key;
   EXCEPTION WHEN lock_not_available THEN
     RETURN false;
   END;
-  EXECUTE format('DELETE FROM %s r USING pg_catalog.jsonb_populate_record(NULL::%s, $1) p WHERE %s',
-                 c.relid::regclass, c.relid::regclass,
-                 (SELECT string_agg(format('r.%I = p.%I', k, k), ' AND ') FROM unnest(cols) k))
-    USING c.key;
   EXECUTE format('SELECT pg_catalog.jsonb_build_object(%s) FROM pg_catalog.jsonb_populate_record(NULL::%s, $1) p',
                  (SELECT string_agg(format('%L, p.%I::text', k, k), ', ') FROM unnest(cols) k),
                  c.relid::regclass)
