@@ -1358,6 +1358,14 @@ async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Resu
     )
     .await?;
     table_user.batch_execute("COMMIT").await?;
+    // More due ones (keys no row holds): each waiting a second for the
+    // gate in turn would also keep `/v1/wal-lsn` past its timeout.
+    c.pg[0]
+        .execute(
+            "INSERT INTO mm.compensations (relid, key, not_before) \
+             SELECT 'u'::regclass, jsonb_build_object('id', k), now() FROM generate_series(100, 111) k",
+        )
+        .await?;
     // wait-sync sends due compensations first (`/v1/wal-lsn`): one that
     // waited for the gate without end held it up past its HTTP timeout.
     let out = c.mmctl(0, &["wait-sync", "--timeout", "3"]).await?;
