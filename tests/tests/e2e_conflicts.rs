@@ -1280,6 +1280,22 @@ async fn compensating_delete_is_ordered_against_apply_of_the_same_key() -> Resul
     Ok(())
 }
 
+/// `wait-sync` until it succeeds or names waiting compensating deletes:
+/// it names them only once every stream is seen caught up, which took a
+/// few seconds in these tests, cause not found.
+async fn wait_sync_until_compensation_shows(
+    c: &TestCluster,
+) -> Result<mm_tests::agent::MmctlOutput> {
+    let mut out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    for _ in 0..8 {
+        if out.success() || format!("{}{}", out.stdout, out.stderr).contains("not sent yet") {
+            break;
+        }
+        out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
+    }
+    Ok(out)
+}
+
 /// The other side of that lock: while a user's transaction on A holds
 /// the table with a write, A's compensating delete waits for it, and so
 /// does `wait-sync`, saying why; the streams into A keep applying (the
@@ -1326,16 +1342,7 @@ async fn compensating_delete_waits_for_a_users_transaction_and_says_so() -> Resu
         );
         Ok(())
     };
-    // Once every stream is seen caught up (an idle stream's position moves
-    // with the publisher's next announcement), the compensation is what
-    // wait-sync waits for, and it says so.
-    let mut out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
-    for _ in 0..8 {
-        if out.success() || format!("{}{}", out.stdout, out.stderr).contains("not sent yet") {
-            break;
-        }
-        out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
-    }
+    let out = wait_sync_until_compensation_shows(&c).await?;
     not_sent("a user's write on its table", &out)?;
     let waiting = c.pg[0]
         .query_one_string("SELECT count(*) FROM mm.compensations")
@@ -1406,13 +1413,7 @@ async fn compensating_delete_of_a_row_a_user_has_locked_waits_for_it() -> Result
              VALUES ('u'::regclass, '{\"id\": 1}', now() - interval '1 s')",
         )
         .await?;
-    let mut out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
-    for _ in 0..8 {
-        if out.success() || format!("{}{}", out.stdout, out.stderr).contains("not sent yet") {
-            break;
-        }
-        out = c.mmctl(0, &["wait-sync", "--timeout", "5"]).await?;
-    }
+    let out = wait_sync_until_compensation_shows(&c).await?;
     ensure!(
         !out.success()
             && format!("{}{}", out.stdout, out.stderr)
