@@ -400,7 +400,8 @@ async fn conflict_logs(c: &TestCluster) -> Result<String> {
     Ok(logs)
 }
 
-async fn shapes_run(seed: u64, ops: Ops) -> Result<()> {
+/// One shapes run; returns how many compensating deletes it needed.
+async fn shapes_run(seed: u64, ops: Ops) -> Result<u64> {
     let c = TestCluster::start(&SHAPE_NAMES, SHAPES_SCHEMA).await?;
     let mut tasks = Vec::new();
     for node in 0..SHAPE_NAMES.len() {
@@ -492,12 +493,7 @@ async fn shapes_run(seed: u64, ops: Ops) -> Result<()> {
             .unwrap_or_default()
             .parse::<u64>()?;
     }
-    if ops.unique || ops.uq_keys {
-        ensure!(
-            compensations > 0,
-            "no row ever gave way on a unique value: the run did not test collisions"
-        );
-    } else {
+    if !(ops.unique || ops.uq_keys) {
         ensure!(
             compensations == 0,
             "compensating deletes without a secondary unique key in play: {compensations}"
@@ -511,12 +507,28 @@ async fn shapes_run(seed: u64, ops: Ops) -> Result<()> {
         uq = uq.len(),
         "shapes converged"
     );
-    Ok(())
+    Ok(compensations)
 }
 
 /// Every shape at once: partitioned rows moving between partitions,
 /// secondary unique values moved onto each other, primary key changes,
 /// TOASTed columns left unchanged by updates.
+/// A run with every shape, again under derived seeds (at most three runs)
+/// while none of them made a row give way on a unique value: whether one
+/// does depends on the interleaving, and a run without one did not test
+/// collisions (seed 36 needed 4-7 compensating deletes a run, and once
+/// none).
+async fn shapes_run_with_collisions(seed: u64) -> Result<()> {
+    for attempt in 0..3u64 {
+        let s = seed.wrapping_add(attempt.wrapping_mul(0x9E37_79B9));
+        if shapes_run(s, ALL).await? > 0 {
+            return Ok(());
+        }
+        eprintln!("no row gave way on a unique value with seed {s}; running again");
+    }
+    bail!("no row ever gave way on a unique value in 3 runs: collisions were not tested")
+}
+
 const ALL: Ops = Ops {
     unique: true,
     uq_keys: true,
@@ -530,7 +542,7 @@ async fn random_shapes_converge_seed_a() -> Result<()> {
     mm_tests::init_tracing();
     let seed = seed()?;
     eprintln!("e2e_convergence shapes: MM_SEED={seed}");
-    shapes_run(seed, ALL)
+    shapes_run_with_collisions(seed)
         .await
         .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
 }
@@ -540,7 +552,7 @@ async fn random_shapes_converge_seed_b() -> Result<()> {
     mm_tests::init_tracing();
     let seed = seed()?;
     eprintln!("e2e_convergence shapes (second seed: MM_SEED + 7777777): MM_SEED={seed}");
-    shapes_run(seed.wrapping_add(7_777_777), ALL)
+    shapes_run_with_collisions(seed.wrapping_add(7_777_777))
         .await
         .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
 }
@@ -561,6 +573,7 @@ async fn random_partition_moves_converge_without_compensation() -> Result<()> {
         },
     )
     .await
+    .map(|_| ())
     .with_context(|| format!("shapes run failed; rerun with MM_SEED={seed}"))
 }
 
@@ -582,4 +595,5 @@ async fn stale_base_after_catch_up_converges_fixed_seed() -> Result<()> {
         },
     )
     .await
+    .map(|_| ())
 }
