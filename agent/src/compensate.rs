@@ -39,12 +39,25 @@ pub async fn drain(client: &Client, gate: &Gate) -> Result<u64, tokio_postgres::
     if !installed(client).await? {
         return Ok(0);
     }
-    let ids = client
-        .query("SELECT id FROM mm.compensations ORDER BY id", &[])
+    // Not due yet: waiting, without taking the gate (that drains every
+    // stream's pipeline) only to hear "not yet". `mm.compensate` checks
+    // the clock again itself.
+    let rows = client
+        .query(
+            "SELECT id, pg_catalog.clock_timestamp() > not_before FROM mm.compensations ORDER BY id",
+            &[],
+        )
         .await?;
     let mut waiting = 0;
-    for (i, row) in ids.iter().enumerate() {
-        let id: i64 = row.try_get(0)?;
+    let mut ids = Vec::with_capacity(rows.len());
+    for row in &rows {
+        if row.try_get::<_, bool>(1)? {
+            ids.push(row.try_get::<_, i64>(0)?);
+        } else {
+            waiting += 1;
+        }
+    }
+    for (i, &id) in ids.iter().enumerate() {
         let Ok(_alone) = tokio::time::timeout(GATE_WAIT, gate.exclusive()).await else {
             // The gate stays held for now: the rest wait for the next round
             // (one wait each would keep `/v1/wal-lsn` past its timeout).
@@ -103,10 +116,10 @@ pub async fn run(dsn: String, password: Option<String>, gate: Gate) {
         let mut poll = POLL;
         loop {
             match drain(&client, &gate).await {
-                // Waiting ones: not due yet, or their table held by a
-                // user's transaction; each try holds every stream's apply
-                // up for a moment (up to `lock_timeout`), so try less often
-                // while they wait.
+                // Waiting ones: not due yet, or held up by a user's
+                // transaction; each try holds every stream's apply up for
+                // a moment (up to `lock_timeout`), so try less often while
+                // they wait.
                 Ok(0) => poll = POLL,
                 Ok(_) => poll = (poll * 2).min(MAX_POLL),
                 Err(e) => {
