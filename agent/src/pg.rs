@@ -63,6 +63,11 @@ pub async fn bind_origin(client: &Client, origin: &str) -> Result<(), tokio_post
             &[&origin],
         )
         .await?;
+    setup_origin(client, origin).await
+}
+
+/// Binds the session to replication origin `origin`, which exists.
+pub async fn setup_origin(client: &Client, origin: &str) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
             "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
@@ -70,6 +75,38 @@ pub async fn bind_origin(client: &Client, origin: &str) -> Result<(), tokio_post
         )
         .await?;
     Ok(())
+}
+
+/// An apply session of the agent's own (`apply/pipeline.rs`): the same
+/// DSN, password and portable settings as `connect`, then `settings` run
+/// one by one. Local sessions do not use TLS, as `connect` does not.
+pub async fn connect_pipelined(
+    dsn: &str,
+    password: Option<&str>,
+    settings: &[String],
+) -> Result<mm_proto::client::PipelinedSession, String> {
+    let mut cfg = mm_proto::client::ReplicationConfig::from_dsn(dsn)
+        .map_err(|e| e.to_string())?
+        .with_ssl_mode(mm_proto::client::SslMode::Disable);
+    if let Some(pw) = password {
+        cfg = cfg.with_password(pw);
+    }
+    for (k, v) in PORTABLE_SESSION_PARAMS {
+        cfg = cfg.with_param(*k, *v);
+    }
+    if cfg.application_name().is_none() {
+        cfg = cfg.with_application_name("mm-agent");
+    }
+    let mut session = mm_proto::client::PipelinedSession::connect(&cfg)
+        .await
+        .map_err(|e| format!("cannot connect to PostgreSQL ({}): {e}", describe_dsn(dsn)))?;
+    for sql in settings {
+        session
+            .query(sql, &[])
+            .await
+            .map_err(|e| format!("{sql}: {e}"))?;
+    }
+    Ok(session)
 }
 
 pub async fn connect(dsn: &str, password: Option<&str>) -> Result<Client, PgError> {

@@ -332,3 +332,57 @@ async fn pause_holds_changes_and_resume_delivers_them() -> Result<()> {
     c.assert_same(DUMP_KV).await?;
     Ok(())
 }
+
+/// A backlog of single-row transactions is applied in batches (one Sync per
+/// batch on the apply session, `apply/pipeline.rs`), yet every remote
+/// transaction stays a local transaction of its own with its own commit
+/// timestamp: sent without a Sync between them, statements outside a
+/// transaction block would share one implicit transaction, and every row
+/// of a batch would carry its last commit's timestamp, which
+/// last-writer-wins then compares.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_single_row_transactions_keeps_each_commit() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["s1", "s2"], SCHEMA).await?;
+    c.mmctl(0, &["pause", "--from", "s1", "--to", "s2"])
+        .await?
+        .ok()?;
+    for i in 0..300 {
+        c.pg[0]
+            .execute(&format!("INSERT INTO kv (id, v) VALUES ({i}, 'v{i}')"))
+            .await?;
+    }
+    for i in (0..300).step_by(3) {
+        c.pg[0]
+            .execute(&format!("UPDATE kv SET v = 'u{i}' WHERE id = {i}"))
+            .await?;
+    }
+    for i in (1..300).step_by(5) {
+        c.pg[0]
+            .execute(&format!("DELETE FROM kv WHERE id = {i}"))
+            .await?;
+    }
+    c.mmctl(0, &["resume", "--from", "s1", "--to", "s2"])
+        .await?
+        .ok()?;
+    c.wait_sync(60).await?;
+    let dump = "SELECT id, v, pg_xact_commit_timestamp(xmin)::text FROM kv ORDER BY id";
+    let (on_s1, on_s2) = (c.rows(0, dump).await?, c.rows(1, dump).await?);
+    assert_eq!(on_s1.len(), 240);
+    assert_eq!(
+        on_s2, on_s1,
+        "rows or their commit timestamps differ after the backlog"
+    );
+    let distinct = "SELECT count(DISTINCT xmin::text)::text FROM kv";
+    assert_eq!(
+        c.rows(1, distinct).await?[0][0].as_deref(),
+        Some("240"),
+        "remote transactions were merged into fewer local ones"
+    );
+    let applied = applied_txns(&c).await?;
+    assert!(
+        applied.contains(&("s1->s2".to_owned(), 300 + 100 + 60)),
+        "applied transactions: {applied:?}"
+    );
+    Ok(())
+}

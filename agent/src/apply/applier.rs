@@ -10,7 +10,7 @@ use mm_proto::Lsn;
 use mm_proto::pgoutput::{Message, PgTimestamp};
 use tokio_postgres::{Client, Statement};
 
-use super::pipeline::{Done, Pipeline};
+use super::pipeline::{Done, Pipeline, Stmt, StmtNames};
 use super::relation::LocalRelation;
 use super::sql;
 use super::{ApplyFailure, Param};
@@ -18,6 +18,12 @@ use crate::conflict::TableResolvers;
 
 /// Statements in flight per transaction before we wait for replies.
 const PIPELINE_WINDOW: usize = 2048;
+
+/// The local WAL insert and flush positions, and the session's count of
+/// routine changes (`mm.routine`).
+const WAL_POSITIONS: &str = "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, \
+     pg_catalog.pg_current_wal_flush_lsn()::text, \
+     pg_catalog.current_setting('mm.routine_changes', true)";
 
 /// Identity of the remote transaction being applied.
 #[derive(Debug, Clone, Copy)]
@@ -198,11 +204,13 @@ pub struct Applier {
     /// Keys single-change transactions just met in conflict (`hot.rs`).
     pub(super) hot: super::hot::HotKeys,
     pub(super) relations: HashMap<u32, LocalRelation>,
-    pub(super) begin: Statement,
+    pub(super) begin: Stmt,
     /// The progress guard and COMMIT, prepared once: every transaction
     /// ends with them, on the fast and the careful path.
-    pub(super) advance: Statement,
-    pub(super) commit: Statement,
+    pub(super) advance: Stmt,
+    pub(super) commit: Stmt,
+    /// Names of statements on the pipelined session (`pipeline.rs`).
+    pub(super) stmt_names: StmtNames,
     /// Statements sent and not yet answered, across transactions.
     pub(super) pipe: Option<Pipeline>,
     /// The progress the next queued transaction expects to find stored:
@@ -245,8 +253,8 @@ pub struct Applier {
     pub(super) routine_side: u64,
     /// `pg_advisory_xact_lock` and `_shared` on (int4, int4): a lane's own
     /// turn and its wait for the one before (`lanes.rs`).
-    pub(super) lock_own: Statement,
-    pub(super) wait_prev: Statement,
+    pub(super) lock_own: Stmt,
+    pub(super) wait_prev: Stmt,
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -275,14 +283,29 @@ impl Applier {
         ctx: ApplyContext,
         lanes: usize,
     ) -> Result<(Applier, Lsn), ApplyFailure> {
-        let (mut applier, start) =
-            Self::open_lane(dsn, password, origin, synchronous_commit, ctx.clone(), 0).await?;
+        let (mut applier, start) = Self::open_lane(
+            dsn,
+            password,
+            origin,
+            synchronous_commit,
+            ctx.clone(),
+            0,
+            lanes == 1,
+        )
+        .await?;
         if lanes > 1 {
             let mut side = Vec::with_capacity(lanes - 1);
             for k in 1..lanes {
-                let (a, _) =
-                    Self::open_lane(dsn, password, origin, synchronous_commit, ctx.clone(), k)
-                        .await?;
+                let (a, _) = Self::open_lane(
+                    dsn,
+                    password,
+                    origin,
+                    synchronous_commit,
+                    ctx.clone(),
+                    k,
+                    false,
+                )
+                .await?;
                 side.push(a);
             }
             // Every lane's origin exists now: each lane must know them all
@@ -303,21 +326,39 @@ impl Applier {
         synchronous_commit: &str,
         ctx: ApplyContext,
         lane: usize,
+        pipelined: bool,
     ) -> Result<(Applier, Lsn), ApplyFailure> {
         let client = crate::pg::connect(dsn, password)
             .await
             .map_err(|e| ApplyFailure::new(None, e.to_string()))?;
         let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
+        let synchronous_commit = match synchronous_commit {
+            "on" | "off" | "local" | "remote_write" | "remote_apply" => synchronous_commit,
+            _ => "off",
+        };
+        let settings = [
+            "SET session_replication_role = replica".to_owned(),
+            format!("SET synchronous_commit = {synchronous_commit}"),
+        ];
         client
-            .batch_execute(&format!(
-                "SET session_replication_role = replica; SET synchronous_commit = {}",
-                match synchronous_commit {
-                    "on" | "off" | "local" | "remote_write" | "remote_apply" => synchronous_commit,
-                    _ => "off",
-                }
-            ))
+            .batch_execute(&settings.join("; "))
             .await
             .map_err(pg)?;
+        // The fast path's own session (`pipeline.rs`). Without it (an
+        // option of the DSN only tokio-postgres knows) the fast path runs
+        // on the client session, as apply lanes do: slower, not wrong.
+        let session = if pipelined {
+            match crate::pg::connect_pipelined(dsn, password, &settings).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(peer = %ctx.peer, error = %e,
+                        "cannot open the pipelined apply session; applying on the client session");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let bound = crate::stream::names::lane_origin_name(&ctx.peer, lane);
         crate::pg::bind_origin(&client, &bound).await.map_err(|e| {
             let mut f = ApplyFailure::from_pg(None, &e);
@@ -347,27 +388,28 @@ impl Applier {
             .await
             .map_err(pg)?;
         let start = parse_lsn(row.get(0), "stored apply progress")?;
-        let begin = client.prepare("BEGIN").await.map_err(pg)?;
-        let commit = client.prepare("COMMIT").await.map_err(pg)?;
-        let lock_own = client
-            .prepare("SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)")
-            .await
-            .map_err(pg)?;
-        let wait_prev = client
-            .prepare("SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)")
-            .await
-            .map_err(pg)?;
-        // One statement records progress (only if the previous transaction's
-        // is in place: see pipeline.rs) and gives the commit the remote commit
-        // timestamp through the origin (schema.rs).
-        let advance = client.prepare(&sql::advance_progress()).await.map_err(pg)?;
-        let wal_positions = client
-            .prepare(
-                "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text, \
-                 pg_catalog.current_setting('mm.routine_changes', true)",
-            )
-            .await
-            .map_err(pg)?;
+        // Prepared on the client session for the careful path (and for the
+        // pipeline when it has no session of its own).
+        let stmt_names = StmtNames::default();
+        let mut control = Vec::new();
+        for text in [
+            "BEGIN",
+            "COMMIT",
+            "SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)",
+            "SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)",
+            // One statement records progress (only if the previous
+            // transaction's is in place: see pipeline.rs) and gives the
+            // commit the remote commit timestamp through the origin
+            // (schema.rs).
+            &sql::advance_progress(),
+        ] {
+            let prepared = client.prepare(text).await.map_err(pg)?;
+            control.push(Stmt::prepared(text, prepared, stmt_names.next()));
+        }
+        let [begin, commit, lock_own, wait_prev, advance]: [Stmt; 5] = control
+            .try_into()
+            .map_err(|_| ApplyFailure::new(None, "internal: control statements"))?;
+        let wal_positions = client.prepare(WAL_POSITIONS).await.map_err(pg)?;
         let store_watermark = client
             .prepare("UPDATE mm.apply_progress SET watermark = $2::text::jsonb WHERE origin = $1")
             .await
@@ -392,8 +434,13 @@ impl Applier {
             skips.insert(parse_lsn(r.get(0), "mm.skip_requests.commit_lsn")?);
         }
         let client = Arc::new(client);
+        let mut pipe = Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW);
+        if let Some(session) = session {
+            pipe = pipe.with_session(session, &bound);
+        }
         let mut applier = Applier {
-            pipe: Some(Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW)),
+            pipe: Some(pipe),
+            stmt_names,
             next_expected: start,
             client,
             origin: origin.to_owned(),
@@ -624,16 +671,31 @@ impl Applier {
 
     /// The local WAL insert and flush positions, and this session's count of
     /// routine changes (`mm.routine`, a session setting) into `routine_fast`.
+    /// The fast path's routine changes are counted on the session it runs
+    /// on: the pipelined one when there is one.
     async fn wal_positions(&mut self) -> Result<(Lsn, Lsn), ApplyFailure> {
-        let row = self
-            .client
-            .query_one(&self.wal_positions, &[])
-            .await
-            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
-        let insert = parse_lsn(row.get(0), "pg_current_wal_insert_lsn")?;
-        let flush = parse_lsn(row.get(1), "pg_current_wal_flush_lsn")?;
-        let routine: Option<String> = row.get(2);
-        if let Some(n) = routine.and_then(|v| v.parse::<u64>().ok()) {
+        let (insert, flush, routine) = match self.pipe.as_mut().filter(|p| p.is_pipelined()) {
+            Some(pipe) => {
+                let mut rows = pipe.query(WAL_POSITIONS).await?;
+                let mut row = rows.pop().unwrap_or_default().into_iter();
+                (
+                    row.next().flatten(),
+                    row.next().flatten(),
+                    row.next().flatten(),
+                )
+            }
+            None => {
+                let row = self
+                    .client
+                    .query_one(&self.wal_positions, &[])
+                    .await
+                    .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+                (row.get(0), row.get(1), row.get(2))
+            }
+        };
+        let insert = parse_lsn(insert, "pg_current_wal_insert_lsn")?;
+        let flush = parse_lsn(flush, "pg_current_wal_flush_lsn")?;
+        if let Some(n) = routine.and_then(|v: String| v.parse::<u64>().ok()) {
             self.routine_fast = n;
         }
         Ok((insert, flush))

@@ -145,9 +145,14 @@ impl Applier {
         // ahead of it: the careful path runs one transaction at a time, so
         // its round trips are its cost (`deferred.rs`).
         self.deferred.clear();
+        // Invariant (origin, `pipeline.rs`): this session writes under the
+        // stream's origin only once the pipelined session let go of it.
+        if let Some(p) = self.pipe.as_mut() {
+            p.give_origin().await?;
+        }
         let lock = self.prepared(sql::CAREFUL_LOCK).await.map_err(pg)?;
         self.deferred
-            .send_begin(&self.client, &[&self.begin.clone(), &lock]);
+            .send_begin(&self.client, &[&self.begin.on_client()?.clone(), &lock]);
         let mut out = Outcome::default();
         // Set when the COMMIT below is sent: it ends the transaction either
         // way, and a ROLLBACK after it only makes PostgreSQL warn.
@@ -202,7 +207,8 @@ impl Applier {
             // Nothing below may run outside the transaction.
             self.deferred.begun().await?;
             for check in fk_checks {
-                let (stmt, child) = self.fk_statement(None, &check).await?;
+                let (text, child) = self.fk_sql(&check)?;
+                let stmt = self.prepared(&text).await.map_err(pg)?;
                 let mut params = vec![
                     Param::timestamptz(meta.commit_ts.0),
                     Param::text(meta.commit_lsn.to_string()),
@@ -220,7 +226,10 @@ impl Applier {
                     out.conflicts.push((super::fk::ORPHAN, Arc::clone(&child)));
                 }
             }
-            let (advance, commit) = (self.advance.clone(), self.commit.clone());
+            let (advance, commit) = (
+                self.advance.on_client()?.clone(),
+                self.commit.on_client()?.clone(),
+            );
             let log = self.prepared(CONFLICT_LOG_INSERT).await.map_err(pg)?;
             let progress = self.progress_params(meta);
             let log_rows = std::mem::take(&mut out.log_rows);

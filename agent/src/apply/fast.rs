@@ -8,12 +8,11 @@ use std::sync::Arc;
 use mm_proto::pgoutput::{
     ColumnValue, Delete, Insert, Message, OldTuple, Truncate, TupleData, Update,
 };
-use tokio_postgres::{Client, Statement};
 
 use super::applier::{
     Applier, ChangeSource, TxnMeta, is_partition_truncate, partition_truncate_params,
 };
-use super::pipeline::{OpKind, OpMeta, Pipeline};
+use super::pipeline::{OpKind, OpMeta, Pipeline, Stmt};
 use super::relation::LocalRelation;
 use super::sql::{self, Commit};
 use super::tuple::{column_count, locate, masked_locator, tuple_params};
@@ -139,13 +138,13 @@ impl Applier {
                     return Err(ApplyFailure::to_careful(None, "a compensating delete"));
                 }
                 Message::Message(m) if is_partition_truncate(&m) => {
-                    let stmt = Self::prepare_settled(
-                        pipe,
-                        &self.client,
-                        "partition truncate",
-                        sql::APPLY_PARTITION_TRUNCATE,
-                    )
-                    .await?;
+                    let stmt = pipe
+                        .prepare(
+                            &self.stmt_names,
+                            "partition truncate",
+                            sql::APPLY_PARTITION_TRUNCATE,
+                        )
+                        .await?;
                     let params = partition_truncate_params(&m, &txn);
                     push_row(
                         0,
@@ -287,36 +286,55 @@ impl Applier {
     /// SQL text is built only then: this runs for every row of such tables).
     pub(super) async fn fk_statement(
         &mut self,
-        pipe: Option<&mut Pipeline>,
+        pipe: &mut Pipeline,
         check: &super::fk::FkCheck,
-    ) -> Result<(Statement, Arc<str>), ApplyFailure> {
-        let rel = self.rel(check.oid)?;
+    ) -> Result<(Stmt, Arc<str>), ApplyFailure> {
         let slot = (check.as_child, check.index);
+        if let Some(s) = self.rel(check.oid)?.fk_stmts.get(&slot) {
+            let child = self.fk_child(check)?;
+            return Ok((s.clone(), child));
+        }
+        let (text, child) = self.fk_sql(check)?;
+        let display = Arc::clone(&self.rel(check.oid)?.display);
+        let stmt = pipe.prepare(&self.stmt_names, &display, &text).await?;
+        self.rel_mut(check.oid)?.fk_stmts.insert(slot, stmt.clone());
+        Ok((stmt, child))
+    }
+
+    /// The child table an orphan check is about.
+    fn fk_child(&self, check: &super::fk::FkCheck) -> Result<Arc<str>, ApplyFailure> {
+        let rel = self.rel(check.oid)?;
         let fks = rel
             .fks
-            .clone()
+            .as_ref()
             .ok_or_else(|| ApplyFailure::new(Some(&*rel.display), "foreign keys vanished"))?;
         let fk = if check.as_child {
             &fks.as_child[check.index]
         } else {
             &fks.as_parent[check.index]
         };
-        let child: Arc<str> = Arc::from(fk.child_display.as_str());
-        if let Some(s) = rel.fk_stmts.get(&slot) {
-            return Ok((s.clone(), child));
-        }
-        let text = if check.as_child {
-            super::fk::child_check_sql(fk, &self.ctx.peer)
+        Ok(Arc::from(fk.child_display.as_str()))
+    }
+
+    /// An orphan check's SQL and its child table (the careful path runs it
+    /// on its own session).
+    pub(super) fn fk_sql(
+        &self,
+        check: &super::fk::FkCheck,
+    ) -> Result<(String, Arc<str>), ApplyFailure> {
+        let rel = self.rel(check.oid)?;
+        let fks = rel
+            .fks
+            .as_ref()
+            .ok_or_else(|| ApplyFailure::new(Some(&*rel.display), "foreign keys vanished"))?;
+        let (fk, text) = if check.as_child {
+            let fk = &fks.as_child[check.index];
+            (fk, super::fk::child_check_sql(fk, &self.ctx.peer))
         } else {
-            super::fk::parent_check_sql(fk, &self.ctx.peer)
+            let fk = &fks.as_parent[check.index];
+            (fk, super::fk::parent_check_sql(fk, &self.ctx.peer))
         };
-        let display = Arc::clone(&rel.display);
-        let stmt = match pipe {
-            Some(p) => Self::prepare_settled(p, &self.client, &display, &text).await?,
-            None => Self::prepare(&self.client, &display, &text).await?,
-        };
-        self.rel_mut(check.oid)?.fk_stmts.insert(slot, stmt.clone());
-        Ok((stmt, child))
+        Ok((text, Arc::from(fk.child_display.as_str())))
     }
 
     /// Queues the transaction's orphan checks (after all its changes, so a
@@ -327,7 +345,7 @@ impl Applier {
         meta: &TxnMeta,
     ) -> Result<(), ApplyFailure> {
         for check in std::mem::take(&mut self.fk_pending) {
-            let (stmt, child) = self.fk_statement(Some(pipe), &check).await?;
+            let (stmt, child) = self.fk_statement(pipe, &check).await?;
             let mut params = vec![
                 Param::timestamptz(meta.commit_ts.0),
                 Param::text(meta.commit_lsn.to_string()),
@@ -347,31 +365,6 @@ impl Applier {
             .await?;
         }
         Ok(())
-    }
-
-    /// Prepares a statement needed mid-transaction. The pipeline is settled
-    /// first: a prepare waits for its reply, and replies arrive in order.
-    pub(super) async fn prepare_settled(
-        pipe: &mut Pipeline,
-        client: &Client,
-        display: &str,
-        text: &str,
-    ) -> Result<Statement, ApplyFailure> {
-        pipe.settle(0).await?;
-        Self::prepare(client, display, text).await
-    }
-
-    /// Takes the client, not `&self`: the pipeline's futures make `Applier`
-    /// non-`Sync`, so `&Applier` must not be held across an await.
-    pub(super) async fn prepare(
-        client: &Client,
-        display: &str,
-        text: &str,
-    ) -> Result<Statement, ApplyFailure> {
-        client
-            .prepare(text)
-            .await
-            .map_err(|e| ApplyFailure::from_pg(Some(display), &e))
     }
 
     /// Inserts rows of one relation: full batches as one multi-row INSERT
@@ -411,7 +404,7 @@ impl Applier {
                     Some(s) => s.clone(),
                     None => {
                         let text = fast_insert_sql(rel, n, Commit::Later);
-                        let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+                        let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                         self.rel_mut(oid)?.insert_batch[slot] = Some(s.clone());
                         s
                     }
@@ -453,7 +446,7 @@ impl Applier {
             Some(s) => s.clone(),
             None => {
                 let text = fast_insert_sql(rel, 1, commit);
-                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+                let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                 self.rel_mut(ins.relation_oid)?.insert[slot] = Some(s.clone());
                 s
             }
@@ -549,7 +542,7 @@ impl Applier {
                         commit,
                     ),
                 };
-                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+                let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                 self.rel_mut(upd.relation_oid)?
                     .update
                     .insert(key, s.clone());
@@ -603,7 +596,7 @@ impl Applier {
                     rel.key_names().as_deref(),
                     commit,
                 );
-                let s = Self::prepare_settled(pipe, &self.client, &display, &text).await?;
+                let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?
                     .delete
                     .insert(key, s.clone());
@@ -620,7 +613,9 @@ impl Applier {
         t: Truncate,
     ) -> Result<(), ApplyFailure> {
         let (display, params) = self.truncate_params(&txn, &t)?;
-        let stmt = Self::prepare_settled(pipe, &self.client, &display, sql::APPLY_TRUNCATE).await?;
+        let stmt = pipe
+            .prepare(&self.stmt_names, &display, sql::APPLY_TRUNCATE)
+            .await?;
         push_row(
             0,
             pipe,
@@ -706,7 +701,7 @@ pub(super) fn commit_at(
 pub(super) async fn push_row(
     rows: u64,
     pipe: &mut Pipeline,
-    stmt: &Statement,
+    stmt: &Stmt,
     params: Vec<Param>,
     kind: OpKind,
     relation: Arc<str>,

@@ -96,49 +96,68 @@ impl ApplyFailure {
 
     pub fn from_pg(relation: Option<&str>, e: &tokio_postgres::Error) -> Self {
         match e.as_db_error() {
-            // The fast path's "changed no row" signal (schema.rs, mm.one_row).
+            Some(db) => Self::from_db(
+                relation,
+                db.code().code(),
+                db.message(),
+                db.detail(),
+                db.constraint(),
+            ),
+            None => ApplyFailure::new(relation, format!("local PostgreSQL: {e}")),
+        }
+    }
+
+    /// A server error on the pipelined apply session (`pipeline.rs`).
+    pub fn from_server(relation: Option<&str>, e: &mm_proto::client::DbError) -> Self {
+        Self::from_db(
+            relation,
+            &e.code,
+            &e.message,
+            e.detail.as_deref(),
+            e.constraint.as_deref(),
+        )
+    }
+
+    /// What a server error means to the apply path, whichever session
+    /// reported it.
+    fn from_db(
+        relation: Option<&str>,
+        code: &str,
+        message: &str,
+        detail: Option<&str>,
+        constraint: Option<&str>,
+    ) -> Self {
+        match constraint {
             // The progress guard inlined in the statement (sql::progress_cte):
             // the transaction before this one did not commit.
-            Some(db) if db.constraint() == Some("mm_progress") => ApplyFailure {
-                relation: relation.map(str::to_owned),
+            Some("mm_progress") => ApplyFailure {
                 sqlstate: Some("MM003".to_owned()),
-                message: "mm: apply progress is not at the end of the previous transaction \
-                          (it did not commit)"
-                    .to_owned(),
-                txn: None,
-                conflict: false,
-                signal: None,
+                ..ApplyFailure::new(
+                    relation,
+                    "mm: apply progress is not at the end of the previous transaction \
+                     (it did not commit)",
+                )
             },
-            Some(db) if db.constraint() == Some("mm_conflict") => ApplyFailure {
-                relation: relation.map(str::to_owned),
+            // The fast path's "changed no row" signal (schema.rs, mm.one_row).
+            Some("mm_conflict") => ApplyFailure {
                 sqlstate: Some("MM001".to_owned()),
-                message: "mm: conflict, resolving (no row to change)".to_owned(),
-                txn: None,
-                conflict: false,
                 signal: Some(Signal::Conflict),
+                ..ApplyFailure::new(relation, "mm: conflict, resolving (no row to change)")
             },
-            Some(db) => ApplyFailure {
-                relation: relation.map(str::to_owned),
-                sqlstate: Some(db.code().code().to_owned()),
-                message: match db.detail() {
-                    Some(d) => format!("{}: {}", db.message(), d),
-                    None => db.message().to_owned(),
-                },
-                txn: None,
-                conflict: false,
-                signal: match db.code().code() {
+            _ => ApplyFailure {
+                sqlstate: Some(code.to_owned()),
+                signal: match code {
                     "MM001" => Some(Signal::Conflict),
                     "23505" => Some(Signal::UniqueViolation),
                     _ => None,
                 },
-            },
-            None => ApplyFailure {
-                relation: relation.map(str::to_owned),
-                sqlstate: None,
-                message: format!("local PostgreSQL: {e}"),
-                txn: None,
-                conflict: false,
-                signal: None,
+                ..ApplyFailure::new(
+                    relation,
+                    match detail {
+                        Some(d) => format!("{message}: {d}"),
+                        None => message.to_owned(),
+                    },
+                )
             },
         }
     }

@@ -54,6 +54,15 @@ impl ToSql for Param {
 }
 
 impl Param {
+    /// As a Bind message carries it: (binary format, bytes or NULL).
+    pub fn wire(&self) -> (bool, Option<&[u8]>) {
+        match self {
+            Param::Null => (false, None),
+            Param::Text(b) => (false, Some(b)),
+            Param::Binary(b) => (true, Some(b)),
+        }
+    }
+
     pub fn text(s: impl Into<String>) -> Param {
         Param::Text(Bytes::from(s.into()))
     }

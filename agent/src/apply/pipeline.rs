@@ -12,8 +12,26 @@
 //! progress guard (`sql::advance_progress`) only succeeds when the stored
 //! progress is exactly the previous transaction's end, so a transaction whose
 //! predecessor rolled back fails too, and the first failure is reported.
+//!
+//! Two transports carry the statements. With one apply lane the pipeline
+//! has a session of its own (`mm_proto::client::PipelinedSession`) that
+//! sends a Sync only when replies are waited for: one ReadyForQuery and
+//! one socket flush per batch instead of per statement, which was as
+//! costly as a single-row transaction itself. Every transaction sends its
+//! own BEGIN/COMMIT (a single-statement one gets them here, `push_raw`), so
+//! a batch is never one implicit transaction. Apply lanes keep
+//! tokio-postgres (one Sync per statement): a lane waits for another
+//! lane's lock by the reply to it (`lanes.rs`).
+//!
+//! Invariant (origin): a session writes replicated rows only while it holds
+//! the stream's replication origin. The pipelined session holds it while
+//! it applies; the careful path (`careful.rs`) applies on the client
+//! session and takes it over first (`give_origin`), and the next pushed
+//! statement takes it back. A commit without it fails anyway:
+//! `pg_replication_origin_xact_setup` in every transaction's progress
+//! statement needs a bound origin.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -21,10 +39,64 @@ use std::task::{Context, Poll, Waker};
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesOrdered;
+use mm_proto::client::{PipelinedSession, Reply};
 use sync_wrapper::SyncWrapper;
 use tokio_postgres::{Client, Statement};
 
 use super::{ApplyFailure, Param, TxnMeta};
+
+/// A statement the pipeline runs: its text, its name on the pipelined
+/// session (parsed there on first use), and its prepared form on the
+/// client session where it runs there.
+#[derive(Clone)]
+pub struct Stmt(Arc<StmtInner>);
+
+struct StmtInner {
+    text: Arc<str>,
+    name: String,
+    client: Option<Statement>,
+}
+
+impl std::fmt::Debug for Stmt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Stmt").field(&self.0.name).finish()
+    }
+}
+
+impl Stmt {
+    /// A statement prepared on the client session (`client`), usable on
+    /// either transport.
+    pub fn prepared(text: &str, client: Statement, name: String) -> Stmt {
+        Stmt(Arc::new(StmtInner {
+            text: Arc::from(text),
+            name,
+            client: Some(client),
+        }))
+    }
+
+    /// Its prepared form on the client session.
+    pub fn on_client(&self) -> Result<&Statement, ApplyFailure> {
+        self.0.client.as_ref().ok_or_else(|| {
+            ApplyFailure::new(
+                None,
+                "internal: statement not prepared on the client session",
+            )
+        })
+    }
+}
+
+/// Names statements on the pipelined session: unique per session.
+#[derive(Default)]
+pub struct StmtNames(std::sync::atomic::AtomicU64);
+
+impl StmtNames {
+    pub fn next(&self) -> String {
+        format!(
+            "mm_{}",
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        )
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
@@ -80,12 +152,57 @@ pub struct Done {
     pub in_place: u64,
 }
 
+/// The pipelined session and what it owes.
+struct Raw {
+    session: PipelinedSession,
+    /// Metadata of the statements sent and not answered, in order.
+    ops: VecDeque<OpMeta>,
+    /// Statement names parsed on the session.
+    parsed: HashSet<String>,
+    /// The replication origin it binds while it holds it.
+    origin: String,
+    holds_origin: bool,
+}
+
+/// The transaction block a fused statement gets on the pipelined session:
+/// statement names, which are their text too.
+const BLOCK: [&str; 2] = ["BEGIN", "COMMIT"];
+
+fn raw_err(relation: Option<&str>) -> impl Fn(mm_proto::client::ClientError) -> ApplyFailure + '_ {
+    move |e| ApplyFailure::new(relation, format!("local PostgreSQL (apply session): {e}"))
+}
+
+impl Raw {
+    /// Queues one statement (parsed first if the session lacks it).
+    fn exec(
+        &mut self,
+        name: &str,
+        text: &str,
+        params: &[Param],
+        meta: OpMeta,
+    ) -> Result<(), ApplyFailure> {
+        let rel = meta.relation.clone();
+        let err = raw_err(rel.as_deref());
+        if !self.parsed.contains(name) {
+            self.session.parse(name, text).map_err(&err)?;
+            self.parsed.insert(name.to_owned());
+        }
+        self.session
+            .execute(name, params.iter().map(Param::wire))
+            .map_err(&err)?;
+        self.ops.push_back(meta);
+        Ok(())
+    }
+}
+
 pub struct Pipeline {
     client: Arc<Client>,
     /// Only ever touched through `&mut self`; the wrapper makes the applier
     /// `Sync` so the careful path can borrow it across awaits.
     inflight: SyncWrapper<FuturesOrdered<OpFuture>>,
-    /// `inflight`'s length, readable through `&self`.
+    /// With one lane: the pipelined session, used instead of `inflight`.
+    raw: Option<SyncWrapper<Box<Raw>>>,
+    /// Statements in flight (on either transport), readable through `&self`.
     count: usize,
     window: usize,
     /// Rows of the row statements in flight: their parameters are held
@@ -116,6 +233,7 @@ impl Pipeline {
         Pipeline {
             client,
             inflight: SyncWrapper::new(FuturesOrdered::new()),
+            raw: None,
             count: 0,
             window,
             rows_in_flight: 0,
@@ -128,6 +246,118 @@ impl Pipeline {
             answered: 0,
             failed: false,
         }
+    }
+
+    /// Applies on `session` from now on (one Sync per batch, see the module
+    /// doc). The client session holds `origin` until the first statement.
+    pub fn with_session(mut self, session: PipelinedSession, origin: &str) -> Self {
+        self.raw = Some(SyncWrapper::new(Box::new(Raw {
+            session,
+            ops: VecDeque::new(),
+            parsed: HashSet::new(),
+            origin: origin.to_owned(),
+            holds_origin: false,
+        })));
+        self
+    }
+
+    pub fn is_pipelined(&self) -> bool {
+        self.raw.is_some()
+    }
+
+    /// A statement for this pipeline: prepared on the client session now
+    /// (after what is in flight: a prepare waits for its reply, and replies
+    /// arrive in order), or, on the pipelined session, parsed with its
+    /// first use, without a round trip.
+    pub async fn prepare(
+        &mut self,
+        names: &StmtNames,
+        display: &str,
+        text: &str,
+    ) -> Result<Stmt, ApplyFailure> {
+        let name = names.next();
+        if self.raw.is_some() {
+            return Ok(Stmt(Arc::new(StmtInner {
+                text: Arc::from(text),
+                name,
+                client: None,
+            })));
+        }
+        self.settle(0).await?;
+        let s = self
+            .client
+            .prepare(text)
+            .await
+            .map_err(|e| ApplyFailure::from_pg(Some(display), &e))?;
+        Ok(Stmt::prepared(text, s, name))
+    }
+
+    /// Hands the replication origin to the client session, for a careful
+    /// transaction there. Everything queued before it commits first (it is
+    /// earlier in commit order).
+    pub async fn give_origin(&mut self) -> Result<(), ApplyFailure> {
+        if !self.raw.as_mut().is_some_and(|r| r.get_mut().holds_origin) {
+            return Ok(());
+        }
+        self.settle(0).await?;
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Ok(());
+        };
+        raw.session.finish().await.map_err(raw_err(None))?;
+        raw.session
+            .query(
+                "SELECT pg_catalog.pg_replication_origin_session_reset()",
+                &[],
+            )
+            .await
+            .map_err(raw_err(None))?;
+        raw.holds_origin = false;
+        crate::pg::setup_origin(&self.client, &raw.origin)
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))
+    }
+
+    /// Takes the origin back from the client session (idle then: the
+    /// careful transaction that had it is over).
+    async fn take_origin(&mut self) -> Result<(), ApplyFailure> {
+        let client = Arc::clone(&self.client);
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Ok(());
+        };
+        if raw.holds_origin {
+            return Ok(());
+        }
+        client
+            .batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
+            .await
+            .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+        raw.session
+            .query(
+                "SELECT pg_catalog.pg_replication_origin_session_setup($1)",
+                &[Some(&raw.origin)],
+            )
+            .await
+            .map_err(|e| {
+                ApplyFailure::new(
+                    None,
+                    format!(
+                        "cannot bind replication origin {} to the apply session: {e}",
+                        raw.origin
+                    ),
+                )
+            })?;
+        raw.holds_origin = true;
+        Ok(())
+    }
+
+    /// Runs one statement on the pipelined session, idle (after `settle(0)`),
+    /// returning its rows in text.
+    pub async fn query(&mut self, text: &str) -> Result<Vec<Vec<Option<String>>>, ApplyFailure> {
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Err(ApplyFailure::new(None, "internal: no pipelined session"));
+        };
+        raw.session.finish().await.map_err(raw_err(None))?;
+        raw.session.query(text, &[]).await.map_err(raw_err(None))
     }
 
     /// The number the next pushed statement gets.
@@ -174,17 +404,41 @@ impl Pipeline {
     /// Queues and SENDS a statement. The first poll of a tokio-postgres query
     /// future enqueues its protocol messages on the connection; polling it here,
     /// once, fixes the send order to the queue order regardless of when the
-    /// ordered set is polled next.
+    /// ordered set is polled next. On the pipelined session the statement is
+    /// queued in its send buffer, written once enough is waiting or when
+    /// replies are waited for (`settle`).
     pub async fn push(
         &mut self,
-        stmt: &Statement,
+        stmt: &Stmt,
+        params: Vec<Param>,
+        meta: OpMeta,
+    ) -> Result<(), ApplyFailure> {
+        self.rows_in_flight += meta.rows;
+        self.pushed += 1;
+        if self.raw.is_some() {
+            self.push_raw(stmt, &params, meta).await?;
+        } else {
+            self.push_client(stmt, params, meta)?;
+        }
+        if self.count > self.window {
+            self.settle(self.window / 2).await?;
+        }
+        if self.rows_in_flight > ROW_WINDOW {
+            while self.rows_in_flight > ROW_WINDOW / 2 && self.count > 0 {
+                self.settle(self.count - 1).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn push_client(
+        &mut self,
+        stmt: &Stmt,
         params: Vec<Param>,
         meta: OpMeta,
     ) -> Result<(), ApplyFailure> {
         let client = Arc::clone(&self.client);
-        let stmt = stmt.clone();
-        self.rows_in_flight += meta.rows;
-        self.pushed += 1;
+        let stmt = stmt.on_client()?.clone();
         let mut fut: OpFuture = if meta.kind == OpKind::UpdateInPlace {
             Box::pin(async move {
                 let r = logged_count(&client, &stmt, params).await;
@@ -208,24 +462,89 @@ impl Pipeline {
             Poll::Pending => self.inflight.get_mut().push_back(fut),
         }
         self.count = self.inflight.get_mut().len();
-        if self.count > self.window {
-            self.settle(self.window / 2).await?;
-        }
-        if self.rows_in_flight > ROW_WINDOW {
-            while self.rows_in_flight > ROW_WINDOW / 2 && self.count > 0 {
-                self.settle(self.count - 1).await?;
-            }
-        }
         Ok(())
+    }
+
+    /// A statement that is its whole transaction (`sql::Commit::Fused`)
+    /// goes out between a BEGIN and a COMMIT of its own here: without a
+    /// Sync after it, it would share one implicit transaction (and one
+    /// commit timestamp) with the statements after it. Its COMMIT is then
+    /// what finishes the transaction.
+    async fn push_raw(
+        &mut self,
+        stmt: &Stmt,
+        params: &[Param],
+        mut meta: OpMeta,
+    ) -> Result<(), ApplyFailure> {
+        self.take_origin().await?;
+        let fused = meta.commits && meta.kind != OpKind::Commit;
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Err(ApplyFailure::new(None, "internal: no pipelined session"));
+        };
+        if fused {
+            let begin = OpMeta {
+                kind: OpKind::Control,
+                rows: 0,
+                commits: false,
+                ..meta.clone()
+            };
+            raw.exec(BLOCK[0], BLOCK[0], &[], begin)?;
+            meta.commits = false;
+            let commit = OpMeta {
+                kind: OpKind::Commit,
+                rows: 0,
+                commits: true,
+                ..meta.clone()
+            };
+            raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
+            raw.exec(BLOCK[1], BLOCK[1], &[], commit)?;
+            self.pushed += 2;
+        } else {
+            raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
+        }
+        self.count = raw.ops.len();
+        raw.session.send_some().await.map_err(raw_err(None))
+    }
+
+    /// The next reply, on whichever transport: rows changed (or, for
+    /// `UpdateInPlace`, conflicts logged), or the failure.
+    async fn next_reply(&mut self) -> Option<(OpMeta, Result<u64, ApplyFailure>)> {
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            let (meta, res) = self.inflight.get_mut().next().await?;
+            let res = res.map_err(|e| ApplyFailure::from_pg(meta.relation.as_deref(), &e));
+            return Some((meta, res));
+        };
+        if raw.ops.is_empty() {
+            return None;
+        }
+        let reply = raw.session.next_reply().await;
+        let meta = raw.ops.pop_front()?;
+        let rel = meta.relation.as_deref();
+        let res = match reply {
+            Ok(Reply::Done { first_sum, .. }) if meta.kind == OpKind::UpdateInPlace => {
+                Ok(u64::try_from(first_sum).unwrap_or(0))
+            }
+            Ok(Reply::Done { rows, .. }) => Ok(rows),
+            Ok(Reply::Failed(e)) => Err(ApplyFailure::from_server(rel, &e)),
+            Ok(Reply::Skipped) => Err(ApplyFailure::new(
+                rel,
+                "not run: an earlier statement of its batch failed",
+            )),
+            Err(e) => Err(raw_err(rel)(e)),
+        };
+        Some((meta, res))
     }
 
     /// Waits until at most `keep` statements are in flight. The first failure
     /// is returned with the transaction it belongs to; the session is
     /// discarded after a failure, so later replies are not waited for.
     pub async fn settle(&mut self, keep: usize) -> Result<(), ApplyFailure> {
-        while self.inflight.get_mut().len() > keep {
-            let next = self.inflight.get_mut().next().await;
-            self.count = self.inflight.get_mut().len();
+        while self.count > keep {
+            let next = self.next_reply().await;
+            self.count = match self.raw.as_mut() {
+                Some(r) => r.get_mut().ops.len(),
+                None => self.inflight.get_mut().len(),
+            };
             let Some((meta, res)) = next else {
                 break;
             };
@@ -267,8 +586,7 @@ impl Pipeline {
                         self.finish(meta.txn);
                     }
                 }
-                Err(e) => {
-                    let mut f = ApplyFailure::from_pg(meta.relation.as_deref(), &e);
+                Err(mut f) => {
                     f.txn = Some(meta.txn);
                     // A fast-path row statement refused (MM001) or hit a
                     // unique key: the transaction needs the resolver.
@@ -318,8 +636,28 @@ impl Pipeline {
     /// After a failure: waits out every statement still in flight, ignoring
     /// their results (they all belong to transactions that roll back: the
     /// failed one, and those queued behind it, whose progress guard fails).
+    ///
+    /// On the pipelined session the transaction block left open (failed,
+    /// or a transaction queued only in part) is rolled back here, and its
+    /// statements are deallocated: a Parse the server skipped after the
+    /// failure is not there, and one it ran must not be parsed twice.
     pub async fn drain(&mut self) {
         while self.inflight.get_mut().next().await.is_some() {}
+        if let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) {
+            raw.ops.clear();
+            let _ = raw.session.finish().await;
+            if raw.session.status() != b'I'
+                && let Err(e) = raw.session.query("ROLLBACK", &[]).await
+            {
+                tracing::warn!(error = %e, "apply session: ROLLBACK after a failure failed");
+            }
+            match raw.session.query("DEALLOCATE ALL", &[]).await {
+                Ok(_) => raw.parsed.clear(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "apply session: DEALLOCATE ALL after a failure failed")
+                }
+            }
+        }
         self.answered = self.pushed;
         self.failed = false;
         self.guards.clear();

@@ -180,7 +180,10 @@ impl Applier {
         self.pipe = Some(pipe);
         // Whatever was left open (a transaction queued only in part).
         self.early = None;
-        if std::mem::take(&mut self.txn_open) {
+        // The pipelined session rolled back in `drain` already.
+        if std::mem::take(&mut self.txn_open)
+            && !self.pipe.as_ref().is_some_and(|p| p.is_pipelined())
+        {
             self.client
                 .batch_execute("ROLLBACK")
                 .await

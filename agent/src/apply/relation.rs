@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use mm_proto::pgoutput::Relation;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
+
+use super::pipeline::Stmt;
 
 use super::ApplyFailure;
 use super::sql::{self, Commit, Locator};
@@ -52,21 +54,21 @@ pub struct LocalRelation {
     /// None for most tables, which then pay nothing.
     pub fks: Option<Arc<super::fk::ForeignKeys>>,
     /// Prepared orphan checks, by (as child, constraint index).
-    pub fk_stmts: HashMap<(bool, usize), Statement>,
+    pub fk_stmts: HashMap<(bool, usize), Stmt>,
     /// Single-row INSERT: [inside a transaction, a whole transaction]
     /// (`sql::Commit`).
-    pub insert: [Option<Statement>; 2],
+    pub insert: [Option<Stmt>; 2],
     /// Multi-row INSERTs of `batch_sizes` rows (fixed per relation: its width).
-    pub insert_batch: [Option<Statement>; 2],
+    pub insert_batch: [Option<Stmt>; 2],
     /// Keyed by (columns left out of SET, columns left out of the row match).
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
     /// pattern has its own statement.
     /// Also keyed by how the statement commits, and whether it resolves a
     /// conflict in place (`sql::fast_update_in_place`).
-    pub update: HashMap<(Vec<bool>, Vec<bool>, Commit, bool), Statement>,
+    pub update: HashMap<(Vec<bool>, Vec<bool>, Commit, bool), Stmt>,
     /// Keyed by the columns left out of the row match (FULL identity only).
-    pub delete: HashMap<(Vec<bool>, Commit), Statement>,
+    pub delete: HashMap<(Vec<bool>, Commit), Stmt>,
 }
 
 impl LocalRelation {

@@ -85,9 +85,8 @@ impl Applier {
             );
         }
         let summary = serde_json::json!({"changes": changes, "rows": rows});
-        let audit = Self::prepare_settled(
-            pipe,
-            &self.client,
+        let audit = pipe.prepare(
+            &self.stmt_names,
             "mm.conflict_log",
             "WITH r AS (DELETE FROM mm.skip_requests WHERE from_node = $1 AND commit_lsn = $2::pg_lsn) \
              INSERT INTO mm.conflict_log (relation, conflict_type, remote_origin, remote_commit_ts, remote_lsn, resolution, remote_tuple) \

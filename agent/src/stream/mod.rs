@@ -284,6 +284,16 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
     loop {
         rx.before_next().await?;
         let msg = tokio::select! {
+            // In this order: feedback is never starved by a busy stream, and
+            // replies are waited for only when the stream has nothing to
+            // read (or the pipeline is full). Waiting for replies is what
+            // sends the pipelined session's Sync (`apply/pipeline.rs`), so
+            // batches grow as long as messages keep coming.
+            biased;
+            _ = ticker.tick() => {
+                rx.on_tick(&mut stream).await?;
+                continue;
+            }
             // Never disabled with nothing in flight: the branch below then
             // has replies to wait for.
             m = stream.next(), if rx.applier.wants_more() => m,
@@ -296,10 +306,6 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
                 }
                 .map_err(|f| apply_err(&pname, None, f))?;
                 finished(&mut rx.applier, local, &pname, &mut rx.progress);
-                continue;
-            }
-            _ = ticker.tick() => {
-                rx.on_tick(&mut stream).await?;
                 continue;
             }
         };

@@ -127,6 +127,8 @@ pub(crate) struct ServerFields {
     pub code: String,
     pub message: String,
     pub detail: Option<String>,
+    /// The constraint an error is about ('n'), when it names one.
+    pub constraint: Option<String>,
 }
 
 pub(crate) fn parse_fields(body: &[u8]) -> Result<ServerFields, ClientError> {
@@ -145,6 +147,7 @@ pub(crate) fn parse_fields(body: &[u8]) -> Result<ServerFields, ClientError> {
             b'C' => f.code = value,
             b'M' => f.message = value,
             b'D' => f.detail = Some(value),
+            b'n' => f.constraint = Some(value),
             _ => {}
         }
     }

@@ -176,6 +176,7 @@ pub(crate) async fn connect_target(
     config: &ReplicationConfig,
     target: &Target,
     user: &str,
+    replication: bool,
 ) -> Result<(Connection, Session), ClientError> {
     let mut conn = match &target.host {
         Host::Unix(dir) => {
@@ -219,7 +220,10 @@ pub(crate) async fn connect_target(
         }
     };
 
-    let mut params: Vec<(&str, &str)> = vec![("user", user), ("replication", "database")];
+    let mut params: Vec<(&str, &str)> = vec![("user", user)];
+    if replication {
+        params.push(("replication", "database"));
+    }
     if let Some(db) = config.dbname() {
         params.push(("database", db));
     }

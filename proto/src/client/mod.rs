@@ -14,6 +14,7 @@ mod codec;
 mod config;
 mod connection;
 mod error;
+mod pipelined;
 mod sql;
 mod stream;
 mod tls;
@@ -25,6 +26,7 @@ pub use error::{
     ClientError, SQLSTATE_DUPLICATE_OBJECT, SQLSTATE_INVALID_PASSWORD, SQLSTATE_OBJECT_IN_USE,
     SQLSTATE_UNDEFINED_OBJECT,
 };
+pub use pipelined::{DbError, PipelinedSession, Reply, ReplyTracker, Value};
 pub use sql::{RustlsConnect, RustlsConnectOne, RustlsStream};
 pub use stream::LogicalReplicationStream;
 
@@ -163,38 +165,8 @@ impl ReplicationClient {
     /// Connects, trying each host of the config in order (each attempt
     /// bounded by `connect_timeout`), and returns the last error if none works.
     pub async fn connect(config: &ReplicationConfig) -> Result<ReplicationClient, ClientError> {
-        config.validate()?;
-        let user = config
-            .user()
-            .ok_or_else(|| ClientError::Config("no user given (set user=...)".into()))?;
-        let mut last_error = None;
-        for target in config.targets()? {
-            let attempt = connection::connect_target(config, &target, user);
-            let result = match config.connect_timeout() {
-                Some(limit) => match tokio::time::timeout(limit, attempt).await {
-                    Ok(r) => r,
-                    Err(_) => Err(ClientError::io(
-                        format!("connecting to {:?} port {}", target.host, target.port),
-                        std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!("connect_timeout of {}s expired", limit.as_secs()),
-                        ),
-                    )),
-                },
-                None => attempt.await,
-            };
-            match result {
-                Ok((conn, session)) => return Ok(ReplicationClient::from_parts(conn, session)),
-                // Authentication and TLS verification failures would repeat
-                // on every host of the same cluster, but libpq tries them all
-                // too: the next host may be configured differently.
-                Err(e) => {
-                    tracing::debug!(host = ?target.host, port = target.port, error = %e, "replication connect attempt failed");
-                    last_error = Some(e);
-                }
-            }
-        }
-        Err(last_error.unwrap_or_else(|| ClientError::Config("no host to connect to".into())))
+        let (conn, session) = connect_any(config, true).await?;
+        Ok(ReplicationClient::from_parts(conn, session))
     }
 
     pub(crate) fn from_parts(conn: Connection, session: Session) -> ReplicationClient {
@@ -524,6 +496,48 @@ pub(crate) fn quote_ident(name: &str) -> String {
 /// only single quotes need doubling.
 pub(crate) fn quote_literal(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
+}
+
+/// Connects, trying each host of the config in order (each attempt bounded
+/// by `connect_timeout`), and returns the last error if none works.
+/// `replication`: a walsender (`replication=database`) or an ordinary
+/// backend (`pipelined.rs`).
+pub(crate) async fn connect_any(
+    config: &ReplicationConfig,
+    replication: bool,
+) -> Result<(Connection, Session), ClientError> {
+    config.validate()?;
+    let user = config
+        .user()
+        .ok_or_else(|| ClientError::Config("no user given (set user=...)".into()))?;
+    let mut last_error = None;
+    for target in config.targets()? {
+        let attempt = connection::connect_target(config, &target, user, replication);
+        let result = match config.connect_timeout() {
+            Some(limit) => match tokio::time::timeout(limit, attempt).await {
+                Ok(r) => r,
+                Err(_) => Err(ClientError::io(
+                    format!("connecting to {:?} port {}", target.host, target.port),
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("connect_timeout of {}s expired", limit.as_secs()),
+                    ),
+                )),
+            },
+            None => attempt.await,
+        };
+        match result {
+            Ok(parts) => return Ok(parts),
+            // Authentication and TLS verification failures would repeat
+            // on every host of the same cluster, but libpq tries them all
+            // too: the next host may be configured differently.
+            Err(e) => {
+                tracing::debug!(host = ?target.host, port = target.port, error = %e, "replication connect attempt failed");
+                last_error = Some(e);
+            }
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ClientError::Config("no host to connect to".into())))
 }
 
 #[cfg(test)]
