@@ -830,6 +830,14 @@ impl Applier {
         r
     }
 
+    /// See `Pipeline::send_queued`.
+    pub async fn send_queued(&mut self) -> Result<(), ApplyFailure> {
+        match self.pipe.as_mut() {
+            Some(p) => p.send_queued().await,
+            None => Ok(()),
+        }
+    }
+
     /// Waits for the next reply (for an idle stream: keeps results flowing).
     pub async fn settle_next(&mut self) -> Result<(), ApplyFailure> {
         if self.lanes.is_some() {

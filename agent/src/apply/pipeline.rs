@@ -350,6 +350,17 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Writes the statements queued on the pipelined session once the
+    /// oldest waited long enough (`PipelinedSession::send_some`). The
+    /// stream calls this before each message: while it keeps reading it
+    /// never waits for replies, which is otherwise what writes them.
+    pub async fn send_queued(&mut self) -> Result<(), ApplyFailure> {
+        match self.raw.as_mut().map(SyncWrapper::get_mut) {
+            Some(raw) => raw.session.send_some().await.map_err(raw_err(None)),
+            None => Ok(()),
+        }
+    }
+
     /// Runs one statement on the pipelined session, idle (after `settle(0)`),
     /// returning its rows in text.
     pub async fn query(&mut self, text: &str) -> Result<Vec<Vec<Option<String>>>, ApplyFailure> {

@@ -218,10 +218,16 @@ impl Applier {
             self.lanes_settled();
             return Ok(());
         }
+        // A failure here is resolved as one met while waiting for replies
+        // in the stream loop (`resolve_failure`): a conflict is recovered,
+        // and a streamed transaction applied before its commit is rolled
+        // back to be applied whole at its COMMIT, where its failure names
+        // its commit LSN. Feedback ticks and watermarks settle here, and
+        // with one Sync per batch they often meet a failure first.
         loop {
             match self.settle(0).await {
-                Err(f) if f.conflict => self.recover(f).await?,
-                r => return r,
+                Err(f) => self.resolve_failure_alone(f).await?,
+                Ok(()) => return Ok(()),
             }
         }
     }

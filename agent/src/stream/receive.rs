@@ -67,6 +67,10 @@ impl Receiver<'_> {
     /// failure rolled back is applied at its commit, and an announcement
     /// held for it takes effect.
     pub async fn before_next(&mut self) -> Result<(), StreamError> {
+        self.applier
+            .send_queued()
+            .await
+            .map_err(|f| super::apply_err(&self.peer, None, f))?;
         if self.streamed_early.is_some() && !self.applier.is_early() {
             self.streamed_early = None;
         }

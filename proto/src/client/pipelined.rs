@@ -304,9 +304,14 @@ fn bind_execute<'a>(
     )))
 }
 
-/// Queued statements are written when this much is waiting, or when
-/// replies are waited for.
+/// Queued statements are written when this much is waiting, when the
+/// oldest has waited `WRITE_AFTER`, or when replies are waited for.
 const WRITE_AT: usize = 32 * 1024;
+
+/// How long a queued statement may wait to be written while its sender
+/// keeps busy: a stream that never pauses must not hold its statements
+/// (and their commits) back.
+pub const WRITE_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// A session whose statements are pipelined under one Sync per batch.
 ///
@@ -317,6 +322,8 @@ pub struct PipelinedSession {
     conn: Connection,
     session: Session,
     tracker: ReplyTracker,
+    /// When the oldest unwritten message was queued.
+    queued_since: Option<std::time::Instant>,
 }
 
 impl std::fmt::Debug for PipelinedSession {
@@ -339,6 +346,7 @@ impl PipelinedSession {
             conn,
             session,
             tracker: ReplyTracker::default(),
+            queued_since: None,
         })
     }
 
@@ -351,6 +359,8 @@ impl PipelinedSession {
     pub fn parse(&mut self, name: &str, sql: &str) -> Result<(), ClientError> {
         frontend::parse(name, sql, std::iter::empty(), self.conn.wbuf())
             .map_err(|e| ClientError::protocol(format!("cannot send statement: {e}")))?;
+        self.queued_since
+            .get_or_insert_with(std::time::Instant::now);
         self.tracker.sent_parse();
         Ok(())
     }
@@ -362,22 +372,29 @@ impl PipelinedSession {
         values: impl IntoIterator<Item = Value<'a>> + Clone,
     ) -> Result<(), ClientError> {
         bind_execute(self.conn.wbuf(), name, values)?;
+        self.queued_since
+            .get_or_insert_with(std::time::Instant::now);
         self.tracker.sent_exec();
         Ok(())
     }
 
-    /// Writes queued messages once enough are waiting.
+    /// Writes queued messages once enough are waiting, or the oldest has
+    /// waited `WRITE_AFTER` (without a Sync: the server runs them, and
+    /// holds the replies).
     pub async fn send_some(&mut self) -> Result<(), ClientError> {
-        if self.conn.wbuf().len() >= WRITE_AT {
-            self.conn.flush().await?;
+        let due = self
+            .queued_since
+            .is_some_and(|t| t.elapsed() >= WRITE_AFTER);
+        if due || self.conn.wbuf().len() >= WRITE_AT {
+            self.write().await?;
         }
         Ok(())
     }
 
-    /// Writes everything queued (without a Sync: the server runs it, and
-    /// holds the replies).
-    pub async fn send(&mut self) -> Result<(), ClientError> {
-        self.conn.flush().await
+    async fn write(&mut self) -> Result<(), ClientError> {
+        self.conn.flush().await?;
+        self.queued_since = None;
+        Ok(())
     }
 
     /// Replies owed to executed statements.
@@ -406,7 +423,7 @@ impl PipelinedSession {
             } else {
                 // Whatever is queued goes out meanwhile (it runs, and is
                 // answered after the next Sync).
-                self.conn.flush().await?;
+                self.write().await?;
             }
             self.read_one().await?;
         }
@@ -439,7 +456,7 @@ impl PipelinedSession {
         let values = params.iter().map(|p| (false, p.map(str::as_bytes)));
         bind_execute(self.conn.wbuf(), "", values)?;
         frontend::sync(self.conn.wbuf());
-        self.conn.flush().await?;
+        self.write().await?;
         let mut rows = Vec::new();
         let mut error = None;
         loop {
@@ -474,7 +491,7 @@ impl PipelinedSession {
             frontend::sync(self.conn.wbuf());
             self.tracker.sent_sync();
         }
-        self.conn.flush().await
+        self.write().await
     }
 
     async fn read_one(&mut self) -> Result<(), ClientError> {
