@@ -31,7 +31,7 @@
 //! `pg_replication_origin_xact_setup` in every transaction's progress
 //! statement needs a bound origin.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -157,8 +157,16 @@ struct Raw {
     session: PipelinedSession,
     /// Metadata of the statements sent and not answered, in order.
     ops: VecDeque<OpMeta>,
-    /// Statement names parsed on the session.
-    parsed: HashSet<String>,
+    /// Statements parsed on the session, by text: a statement rebuilt
+    /// with the same text (a relation's cache is rebuilt on every RELATION
+    /// message) reuses the server's, which is never closed otherwise.
+    parsed: HashMap<Arc<str>, String>,
+    /// Why the session cannot be trusted any more (a failure it could not
+    /// be brought back from): every later use fails, and the stream
+    /// restarts with a new one.
+    broken: Option<String>,
+    /// `BLOCK` as statement texts.
+    block: [Arc<str>; 2],
     /// The replication origin it binds while it holds it.
     origin: String,
     holds_origin: bool,
@@ -173,20 +181,56 @@ fn raw_err(relation: Option<&str>) -> impl Fn(mm_proto::client::ClientError) -> 
 }
 
 impl Raw {
+    /// After a failure (`failed`: one was returned since the last drain):
+    /// reads what is owed, rolls back the open block and, if anything
+    /// failed or was skipped, deallocates every statement (a Parse the
+    /// server skipped is not there; one it ran must not be parsed twice).
+    /// Err: the session is not back at an idle, known state.
+    async fn reset(&mut self, failed: bool) -> Result<(), String> {
+        let replies = self.session.finish().await.map_err(|e| e.to_string())?;
+        let failed = failed
+            || self.session.status() == b'E'
+            || replies.iter().any(|r| !matches!(r, Reply::Done { .. }));
+        if self.session.status() != b'I' {
+            self.session
+                .query("ROLLBACK", &[])
+                .await
+                .map_err(|e| format!("ROLLBACK: {e}"))?;
+        }
+        if failed {
+            self.session
+                .query("DEALLOCATE ALL", &[])
+                .await
+                .map_err(|e| format!("DEALLOCATE ALL: {e}"))?;
+            self.parsed.clear();
+        }
+        if self.session.status() != b'I' {
+            return Err("still in a transaction block after ROLLBACK".to_owned());
+        }
+        Ok(())
+    }
+
     /// Queues one statement (parsed first if the session lacks it).
     fn exec(
         &mut self,
         name: &str,
-        text: &str,
+        text: &Arc<str>,
         params: &[Param],
         meta: OpMeta,
     ) -> Result<(), ApplyFailure> {
         let rel = meta.relation.clone();
         let err = raw_err(rel.as_deref());
-        if !self.parsed.contains(name) {
-            self.session.parse(name, text).map_err(&err)?;
-            self.parsed.insert(name.to_owned());
+        if let Some(why) = &self.broken {
+            return Err(ApplyFailure::new(rel.as_deref(), why.clone()));
         }
+        let name = match self.parsed.get(text) {
+            Some(n) => n.as_str(),
+            None => {
+                self.session.parse(name, text).map_err(&err)?;
+                self.parsed.insert(Arc::clone(text), name.to_owned());
+                name
+            }
+        };
         self.session
             .execute(name, params.iter().map(Param::wire))
             .map_err(&err)?;
@@ -254,7 +298,9 @@ impl Pipeline {
         self.raw = Some(SyncWrapper::new(Box::new(Raw {
             session,
             ops: VecDeque::new(),
-            parsed: HashSet::new(),
+            parsed: HashMap::new(),
+            broken: None,
+            block: BLOCK.map(Arc::from),
             origin: origin.to_owned(),
             holds_origin: false,
         })));
@@ -499,7 +545,8 @@ impl Pipeline {
                 commits: false,
                 ..meta.clone()
             };
-            raw.exec(BLOCK[0], BLOCK[0], &[], begin)?;
+            let [begin_text, commit_text] = raw.block.clone();
+            raw.exec(BLOCK[0], &begin_text, &[], begin)?;
             meta.commits = false;
             let commit = OpMeta {
                 kind: OpKind::Commit,
@@ -508,7 +555,7 @@ impl Pipeline {
                 ..meta.clone()
             };
             raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
-            raw.exec(BLOCK[1], BLOCK[1], &[], commit)?;
+            raw.exec(BLOCK[1], &commit_text, &[], commit)?;
             self.pushed += 2;
         } else {
             raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
@@ -654,19 +701,12 @@ impl Pipeline {
     /// failure is not there, and one it ran must not be parsed twice.
     pub async fn drain(&mut self) {
         while self.inflight.get_mut().next().await.is_some() {}
+        let failed = self.failed;
         if let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) {
             raw.ops.clear();
-            let _ = raw.session.finish().await;
-            if raw.session.status() != b'I'
-                && let Err(e) = raw.session.query("ROLLBACK", &[]).await
-            {
-                tracing::warn!(error = %e, "apply session: ROLLBACK after a failure failed");
-            }
-            match raw.session.query("DEALLOCATE ALL", &[]).await {
-                Ok(_) => raw.parsed.clear(),
-                Err(e) => {
-                    tracing::warn!(error = %e, "apply session: DEALLOCATE ALL after a failure failed")
-                }
+            if let Err(why) = raw.reset(failed).await {
+                tracing::warn!(error = %why, "apply session unusable after a failure");
+                raw.broken = Some(why);
             }
         }
         self.answered = self.pushed;

@@ -381,12 +381,20 @@ impl PipelinedSession {
     /// Writes queued messages once enough are waiting, or the oldest has
     /// waited `WRITE_AFTER` (without a Sync: the server runs them, and
     /// holds the replies).
+    ///
+    /// Never waits for the socket: what it does not take now stays queued
+    /// for the next call or for the wait for replies. A caller outside its
+    /// `select!` (the stream's reader) must not block on a backend that is
+    /// itself waiting, say for a user's lock, or its feedback stops.
     pub async fn send_some(&mut self) -> Result<(), ClientError> {
         let due = self
             .queued_since
             .is_some_and(|t| t.elapsed() >= WRITE_AFTER);
         if due || self.conn.wbuf().len() >= WRITE_AT {
-            self.write().await?;
+            // Cancel-safe: bytes leave the buffer only once written.
+            if let Some(r) = futures_util::FutureExt::now_or_never(self.write()) {
+                r?;
+            }
         }
         Ok(())
     }
