@@ -366,14 +366,13 @@ impl Pipeline {
     /// Takes the origin back from the client session (idle then: the
     /// careful transaction that had it is over).
     async fn take_origin(&mut self) -> Result<(), ApplyFailure> {
-        let client = Arc::clone(&self.client);
         let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
             return Ok(());
         };
         if raw.holds_origin {
             return Ok(());
         }
-        client
+        self.client
             .batch_execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
             .await
             .map_err(|e| ApplyFailure::from_pg(None, &e))?;

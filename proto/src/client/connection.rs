@@ -129,6 +129,17 @@ impl Connection {
         }
     }
 
+    /// The next frame that is not an asynchronous message (those are
+    /// absorbed into `session`). Cancel-safe, as `read_frame`.
+    pub async fn read_reply(&mut self, session: &mut Session) -> Result<Frame, ClientError> {
+        loop {
+            let frame = self.read_frame().await?;
+            if !session.absorb(&frame, &self.peer)? {
+                return Ok(frame);
+            }
+        }
+    }
+
     /// The send buffer; messages appended here go out on the next `flush`.
     pub fn wbuf(&mut self) -> &mut BytesMut {
         &mut self.wbuf
@@ -247,10 +258,7 @@ pub(crate) async fn connect_target(
 
     let mut session = Session::default();
     loop {
-        let frame = conn.read_frame().await?;
-        if session.absorb(&frame, &conn.peer)? {
-            continue;
-        }
+        let frame = conn.read_reply(&mut session).await?;
         match frame.tag {
             b'K' => {
                 let mut b = codec::Body::new("BackendKeyData", &frame.body);

@@ -253,10 +253,7 @@ impl ReplicationClient {
         let mut columns: Option<Arc<[String]>> = None;
         let mut error = None;
         loop {
-            let frame = self.conn.read_frame().await?;
-            if self.session.absorb(&frame, &self.conn.peer)? {
-                continue;
-            }
+            let frame = self.conn.read_reply(&mut self.session).await?;
             match frame.tag {
                 b'T' => columns = Some(codec::parse_row_description(&frame.body)?.into()),
                 b'D' => {
@@ -425,18 +422,13 @@ impl ReplicationClient {
         self.begin()?;
         self.conn.queue_query(&cmd)?;
         self.conn.flush().await?;
-        loop {
-            let frame = self.conn.read_frame().await?;
-            if self.session.absorb(&frame, &self.conn.peer)? {
-                continue;
-            }
-            match frame.tag {
-                b'W' => return Ok(LogicalReplicationStream::new(self.conn, self.session)),
-                // The error is followed by ReadyForQuery, but the client is
-                // consumed anyway: callers reconnect to retry.
-                b'E' => return Err(codec::server_error(&frame.body)),
-                tag => return Err(codec::unexpected(tag, "in response to START_REPLICATION")),
-            }
+        let frame = self.conn.read_reply(&mut self.session).await?;
+        match frame.tag {
+            b'W' => Ok(LogicalReplicationStream::new(self.conn, self.session)),
+            // The error is followed by ReadyForQuery, but the client is
+            // consumed anyway: callers reconnect to retry.
+            b'E' => Err(codec::server_error(&frame.body)),
+            tag => Err(codec::unexpected(tag, "in response to START_REPLICATION")),
         }
     }
 

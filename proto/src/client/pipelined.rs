@@ -26,7 +26,7 @@ use bytes::BytesMut;
 use postgres_protocol::message::frontend;
 
 use super::ClientError;
-use super::codec::{self, Frame, ServerFields};
+use super::codec::{self, ServerFields};
 use super::config::ReplicationConfig;
 use super::connection::{Connection, Session};
 
@@ -260,6 +260,21 @@ fn command_rows(body: &[u8]) -> u64 {
         .unwrap_or(0)
 }
 
+/// An ErrorResponse's fields, or, for a FATAL (or PANIC), the error: it
+/// ends the session, so nothing else is waited for.
+fn fatal(body: &[u8]) -> Result<ServerFields, ClientError> {
+    let f = codec::parse_fields(body)?;
+    if f.severity == "ERROR" {
+        return Ok(f);
+    }
+    Err(ClientError::Server {
+        severity: f.severity,
+        code: f.code,
+        message: f.message,
+        detail: f.detail,
+    })
+}
+
 /// Queues Bind (unnamed portal, results in text) and Execute of `statement`.
 fn bind_execute<'a>(
     buf: &mut BytesMut,
@@ -468,14 +483,11 @@ impl PipelinedSession {
         let mut rows = Vec::new();
         let mut error = None;
         loop {
-            let frame = self.conn.read_frame().await?;
-            if self.session.absorb(&frame, &self.conn.peer)? {
-                continue;
-            }
+            let frame = self.conn.read_reply(&mut self.session).await?;
             match frame.tag {
                 b'1' | b'2' | b'C' | b'I' | b'n' => {}
                 b'D' => rows.push(codec::parse_data_row(&frame.body)?),
-                b'E' => error = Some(DbError::from(codec::parse_fields(&frame.body)?)),
+                b'E' => error = Some(DbError::from(fatal(&frame.body)?)),
                 b'Z' => {
                     self.tracker.status = frame.body.first().copied().unwrap_or(b'I');
                     break;
@@ -503,21 +515,9 @@ impl PipelinedSession {
     }
 
     async fn read_one(&mut self) -> Result<(), ClientError> {
-        let frame: Frame = self.conn.read_frame().await?;
-        if self.session.absorb(&frame, &self.conn.peer)? {
-            return Ok(());
-        }
+        let frame = self.conn.read_reply(&mut self.session).await?;
         if frame.tag == b'E' {
-            // A FATAL ends the session: say so rather than wait for more.
-            let f = codec::parse_fields(&frame.body)?;
-            if f.severity != "ERROR" {
-                return Err(ClientError::Server {
-                    severity: f.severity,
-                    code: f.code,
-                    message: f.message,
-                    detail: f.detail,
-                });
-            }
+            fatal(&frame.body)?;
         }
         self.tracker.on_frame(frame.tag, &frame.body)
     }

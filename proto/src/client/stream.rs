@@ -111,10 +111,7 @@ impl LogicalReplicationStream {
         let mut error = None;
         let mut copy_done = self.state == State::ServerDone;
         loop {
-            let frame = self.conn.read_frame().await?;
-            if self.session.absorb(&frame, &self.conn.peer)? {
-                continue;
-            }
+            let frame = self.conn.read_reply(&mut self.session).await?;
             match frame.tag {
                 // The walsender may still emit data or a keepalive after
                 // its own CopyDone (its loop sends before checking for the
