@@ -147,7 +147,10 @@ if [[ ! -x $VENV/bin/ansible-playbook || $(cat "$VENV/.mm-stamp" 2>/dev/null) !=
     printf '%s\n' "$stamp" >"$VENV/.mm-stamp"
 fi
 export PATH="$VENV/bin:$PATH"
-ansible-playbook --version | head -n 1 >&2
+# Read whole, then cut: `| head -n 1` closes the pipe while ansible still
+# prints, and ansible exits 250 on the broken pipe (seen once in CI).
+version=$(ansible-playbook --version) || die "ansible-playbook --version failed"
+printf '%s\n' "${version%%$'\n'*}" >&2
 
 step "release tarball (scripts/release.sh --profile debug) and the PostgreSQL wheel"
 TARBALL=$(bash scripts/release.sh --profile debug --out "$ROOT/dist" | tail -n 1) || die "scripts/release.sh failed"
