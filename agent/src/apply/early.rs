@@ -181,19 +181,36 @@ impl Applier {
     /// `resolve_failure` once nothing is in flight on any other lane.
     pub(super) async fn resolve_failure_alone(
         &mut self,
-        f: ApplyFailure,
+        mut f: ApplyFailure,
     ) -> Result<(), ApplyFailure> {
         if f.conflict {
             return self.recover(f).await;
         }
-        if f.txn.is_some_and(|t| !t.commit_known()) {
-            return self.abandon_early().await;
+        if let Some(t) = f.txn.filter(|t| !t.commit_known()) {
+            if self.early.is_some() {
+                return self.abandon_early().await;
+            }
+            // Its COMMIT arrived and the rest of it was queued behind the
+            // failed statement (`commit_early`), so nothing is left to roll
+            // back and apply whole: the failure is the transaction's own,
+            // named by its commit LSN. Taken for an early part's, it was
+            // dropped, and the statement behind it was reported instead
+            // ("current transaction is aborted").
+            if let Some((m, _, _)) = self.queued.iter().find(|(m, _, _)| m.xid == t.xid) {
+                f.txn = Some(*m);
+            }
         }
         Err(f)
     }
 }
 
+/// The transaction a failure belongs to, when the statement did not say:
+/// `meta`; also in place of the stand-in of a streamed transaction
+/// (`TxnMeta::streaming`) whose commit `meta` now knows.
 fn with_txn(mut f: ApplyFailure, meta: &TxnMeta) -> ApplyFailure {
-    f.txn.get_or_insert(*meta);
+    match f.txn {
+        Some(t) if t.commit_known() || t.xid != meta.xid => {}
+        _ => f.txn = Some(*meta),
+    }
     f
 }
