@@ -230,39 +230,73 @@ async fn run(seed: u64) -> Result<()> {
         })
         .collect();
 
-    let got = c
-        .assert_same("SELECT id, val, node FROM r ORDER BY id")
-        .await?;
-    if got != want {
+    // Each node against the expected winners: a divergence names, per
+    // node, the keys it got wrong, with every write to them and what that
+    // node's resolver logged about them (which side it judged newer).
+    let mut got = Vec::new();
+    for i in 0..NAMES.len() {
+        got.push(c.rows(i, "SELECT id, val, node FROM r ORDER BY id").await?);
+    }
+    let same = got.iter().all(|g| *g == got[0]);
+    if !same || got[0] != want {
         let mut diff = String::new();
         for k in 1..=KEYS as i32 {
-            let g = got.iter().find(|r| r[0].as_deref() == Some(&k.to_string()));
             let w = want
                 .iter()
                 .find(|r| r[0].as_deref() == Some(&k.to_string()));
-            if g != w {
-                let history: Vec<String> = writes
-                    .iter()
-                    .filter(|x| x.key == k)
-                    .map(|x| {
-                        format!(
-                            "{} {} {}",
-                            ts[&(x.node, x.xid.clone())],
-                            NAMES[x.node],
-                            x.val.as_deref().unwrap_or("<delete>")
-                        )
-                    })
-                    .collect::<BTreeSet<_>>()
-                    .into_iter()
-                    .collect();
-                diff.push_str(&format!(
-                    "key {k}: got {g:?}, want {w:?}\n  writes (ts order):\n    {}\n",
-                    history.join("\n    ")
-                ));
+            let per_node: Vec<_> = got
+                .iter()
+                .map(|g| g.iter().find(|r| r[0].as_deref() == Some(&k.to_string())))
+                .collect();
+            if per_node.iter().all(|g| *g == w) {
+                continue;
+            }
+            let history: Vec<String> = writes
+                .iter()
+                .filter(|x| x.key == k)
+                .map(|x| {
+                    format!(
+                        "{} {} {}",
+                        ts[&(x.node, x.xid.clone())],
+                        NAMES[x.node],
+                        x.val.as_deref().unwrap_or("<delete>")
+                    )
+                })
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            diff.push_str(&format!("key {k}: want {w:?}\n"));
+            for (i, g) in per_node.iter().enumerate() {
+                diff.push_str(&format!("  {} got {g:?}\n", NAMES[i]));
+            }
+            diff.push_str(&format!(
+                "  writes (ts order):\n    {}\n",
+                history.join("\n    ")
+            ));
+            for (i, name) in NAMES.iter().enumerate() {
+                let log = c
+                    .rows(
+                        i,
+                        &format!(
+                            "SELECT conflict_type, resolution, local_origin, local_commit_ts::text, \
+                             remote_origin, remote_commit_ts::text, remote_tuple->>'val' \
+                             FROM mm.conflict_log WHERE key->>'id' = '{k}' ORDER BY id"
+                        ),
+                    )
+                    .await?;
+                for r in log {
+                    diff.push_str(&format!("  {name} logged {r:?}\n"));
+                }
             }
         }
-        bail!("the nodes agree but not on the last writer's rows:\n{diff}chaos: {log:?}");
+        let what = if same {
+            "the nodes agree but not on the last writer's rows"
+        } else {
+            "the nodes differ"
+        };
+        bail!("{what}:\n{diff}chaos: {log:?}");
     }
+    let got = got.swap_remove(0);
 
     // The run must have exercised conflict resolution, or it proves nothing.
     let mut conflicts = 0u64;
