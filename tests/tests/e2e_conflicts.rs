@@ -736,6 +736,80 @@ async fn lww_conflicts_on_a_hot_key_are_settled_in_place_both_ways() -> Result<(
     Ok(())
 }
 
+/// On a hot key, a remote update settled in place must be judged against
+/// the version it locks. Here it waits for the lock of a local transaction
+/// that updates the key and commits after the remote change did, i.e. is
+/// newer and wins everywhere. The statement's snapshot predates that
+/// commit, so the version it first reads is the one before; the commit
+/// timestamp and origin it judges by must come from the version it locked
+/// (read with the row, not from a join PostgreSQL does not re-run when it
+/// rechecks a row updated meanwhile). Judged against the stale version,
+/// B took A's older change over its own newer one and kept it, while A
+/// took B's: the nodes diverged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_update_waiting_for_a_newer_local_update_loses_to_it() -> Result<()> {
+    hot_key_change_waits_for_a_newer_local_update("liw", "UPDATE t SET v = 'a2' WHERE id = 1").await
+}
+
+/// The same for the careful path (`sql::fetch_rows`), where a change to a
+/// hot key that cannot be settled in place goes: A's delete waits for the
+/// lock of B's newer update, and loses to it on B as it does on A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_delete_waiting_for_a_newer_local_update_loses_to_it() -> Result<()> {
+    hot_key_change_waits_for_a_newer_local_update("ldw", "DELETE FROM t WHERE id = 1").await
+}
+
+async fn hot_key_change_waits_for_a_newer_local_update(prefix: &str, remote: &str) -> Result<()> {
+    mm_tests::init_tracing();
+    let in_place = remote.starts_with("UPDATE");
+    let (names, c) = paused_pair(prefix, Res::Lww).await?;
+    write(&c, 0, "UPDATE t SET v = 'a0' WHERE id = 1").await?;
+    write(&c, 1, "UPDATE t SET v = 'b1' WHERE id = 1").await?;
+    resume_both_and_sync(&c).await?;
+    // The key is hot on B now (A's a0 met b1 there).
+    let local = c.pg[1].connect().await?;
+    local
+        .batch_execute("BEGIN; UPDATE t SET v = 'b local' WHERE id = 1")
+        .await?;
+    let wa = write(&c, 0, remote).await?;
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE application_name = 'mm-agent' AND wait_event_type = 'Lock'";
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while c.pg[1].query_one_string(waiting).await?.as_deref() != Some("1") {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "A's change never waited for the local transaction on B"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    local.batch_execute("COMMIT").await?;
+    c.wait_sync(60).await?;
+    // The local update committed last: it wins on both nodes.
+    assert_rows(&c, 1, DUMP_T, &[&["1", "b local"]]).await?;
+    assert_rows(&c, 0, DUMP_T, &[&["1", "b local"]]).await?;
+    let on_b = c
+        .rows(
+            1,
+            &format!(
+                "SELECT resolution, local_origin FROM mm.conflict_log \
+                 WHERE remote_commit_ts = '{}'::timestamptz",
+                wa.ts
+            ),
+        )
+        .await?;
+    assert_eq!(
+        on_b,
+        vec![vec![Some("keep_local".to_owned()), Some(names[1].clone())]],
+        "A's change on B: judged against the local version it waited for"
+    );
+    let into_b = c.stream_status(&names[0], &names[1]).await?;
+    anyhow::ensure!(
+        !in_place || into_b["conflicts_in_place"].as_u64() >= Some(1),
+        "the update was not settled in place, the case under test: {into_b}"
+    );
+    Ok(())
+}
+
 /// On a hot key the in-place statement also tells a routine change from a
 /// conflict (`mm.routine_full`'s rule, written out in
 /// `sql::fast_update_in_place`): after the key conflicted, B updates it, A

@@ -375,8 +375,9 @@ pub const IN_PLACE_PARAMS: usize = 6;
 /// attempt and the careful path ("check, then apply"): the one conflict it
 /// settles is `update_origin_differs` under last-writer-wins, the row found
 /// by its key, every column sent. It locks the row (`FOR UPDATE`: the
-/// newest committed version, as the careful path's `fetch_rows` reads it),
-/// decides routine / remote wins / local wins by the same rules
+/// newest committed version, as the careful path's `fetch_rows` reads it,
+/// with that version's commit timestamp and origin read in the locking
+/// query's select list, never from a join: see `fetch_rows`), decides routine / remote wins / local wins by the same rules
 /// (`mm.routine_full` written out over the version's commit timestamp and
 /// origin the statement reads anyway: the function call and its two
 /// further lookups of them were half of what a resolution cost over a
@@ -420,17 +421,18 @@ pub fn fast_update_in_place(
     let key = key_json(key_cols, |_, c| format!("n.{}", quote_ident(c)));
     let decision = "(SELECT d.mm_decision FROM mm_d AS d)";
     format!(
-        "WITH mm_c AS MATERIALIZED (SELECT \
-         CASE WHEN o.\"timestamp\" IS NULL OR o.roident = ANY (${peer_oid}::oid[]) THEN true \
-         WHEN o.\"timestamp\" <= (${wm_ts}::timestamptz[])[pg_catalog.array_position(${wm_ids}::oid[], o.roident)] \
-         AND o.\"timestamp\" < ${ts}::timestamptz THEN mm.count_routine() \
+        "WITH mm_l AS MATERIALIZED (SELECT \
+         pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS mm_o, pg_catalog.to_jsonb(r.*) AS mm_row \
+         FROM {table} AS r WHERE {} FOR UPDATE OF r), \
+         mm_c AS MATERIALIZED (SELECT \
+         CASE WHEN (l.mm_o).\"timestamp\" IS NULL OR (l.mm_o).roident = ANY (${peer_oid}::oid[]) THEN true \
+         WHEN (l.mm_o).\"timestamp\" <= (${wm_ts}::timestamptz[])[pg_catalog.array_position(${wm_ids}::oid[], (l.mm_o).roident)] \
+         AND (l.mm_o).\"timestamp\" < ${ts}::timestamptz THEN mm.count_routine() \
          ELSE false END AS mm_routine, \
-         o.\"timestamp\" AS mm_ts, \
-         CASE WHEN o.roident = 0 THEN ${local}::text ELSE COALESCE((${names}::text[])[pg_catalog.array_position(${ids}::oid[], o.roident)], \
-         'origin ' || o.roident::text) END AS mm_origin, \
-         pg_catalog.to_jsonb(r.*) AS mm_row \
-         FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) AS o ON true \
-         WHERE {} FOR UPDATE OF r), \
+         (l.mm_o).\"timestamp\" AS mm_ts, \
+         CASE WHEN (l.mm_o).roident = 0 THEN ${local}::text ELSE COALESCE((${names}::text[])[pg_catalog.array_position(${ids}::oid[], (l.mm_o).roident)], \
+         'origin ' || (l.mm_o).roident::text) END AS mm_origin, \
+         l.mm_row FROM mm_l AS l), \
          mm_d AS MATERIALIZED (SELECT c.mm_ts, c.mm_origin, c.mm_row, \
          CASE WHEN c.mm_routine THEN 0 \
          WHEN ROW(${ts}::timestamptz, ${peer}::text COLLATE \"C\") > ROW(c.mm_ts, c.mm_origin COLLATE \"C\") THEN 1 \
@@ -508,12 +510,20 @@ pub fn tombstone_lookup(relid: u32, key_cols: &[&str], types: &[&str]) -> String
 /// version: where it is (`tableoid:ctid`: a ctid alone is not unique in a
 /// partitioned table), row as jsonb, origin id, commit timestamp, and whether this
 /// transaction wrote it.
+///
+/// The version's origin and timestamp are read in the select list, never
+/// from a join (`LATERAL pg_xact_commit_timestamp_origin(r.xmin)`): when
+/// the row was updated after the statement's snapshot, FOR UPDATE locks
+/// the newest version and PostgreSQL recomputes the select list over it,
+/// but returns a joined function's row as first computed, for the version
+/// before. Conflicts would be judged against a version that is gone.
 pub fn fetch_rows(table: &str, where_sql: &str) -> String {
     format!(
-        "SELECT r.tableoid::oid::text || ':' || r.ctid::text, pg_catalog.to_jsonb(r.*), o.roident, o.\"timestamp\", \
+        "SELECT r.tableoid::oid::text || ':' || r.ctid::text, pg_catalog.to_jsonb(r.*), \
+         (pg_catalog.pg_xact_commit_timestamp_origin(r.xmin)).roident, \
+         (pg_catalog.pg_xact_commit_timestamp_origin(r.xmin)).\"timestamp\", \
          r.xmin = pg_catalog.pg_current_xact_id()::xid \
-         FROM {table} AS r LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(r.xmin) o ON true \
-         WHERE {where_sql} FOR UPDATE OF r"
+         FROM {table} AS r WHERE {where_sql} FOR UPDATE OF r"
     )
 }
 
