@@ -36,6 +36,9 @@ const POOL: &[&str] = &[
     "c",
     "n",
     "lg",
+    "l",
+    "mm_l",
+    "mm_o",
     "mm_c",
     "mm_d",
     "mm_p",
@@ -210,15 +213,23 @@ fn random_vals(rng: &mut Rng, t: &Table, tag: &str) -> Vals {
         .collect()
 }
 
-/// Tables for one run: the two names the bug was found with first, then
-/// random ones.
+/// Tables for one run: the two names the bug was found with first, the
+/// in-place statement's own names for the locked version (`mm_l`, `l`,
+/// `mm_o`) next, then random ones.
 fn tables(rng: &mut Rng, n: usize) -> Vec<Table> {
-    let mut out = vec![Table {
-        name: "x".into(),
-        key: "id".into(),
-        cols: vec![("x".into(), Ty::Text), ("r".into(), Ty::Int)],
-    }];
-    let mut used_tables: BTreeSet<String> = BTreeSet::from(["x".to_owned()]);
+    let mut out = vec![
+        Table {
+            name: "x".into(),
+            key: "id".into(),
+            cols: vec![("x".into(), Ty::Text), ("r".into(), Ty::Int)],
+        },
+        Table {
+            name: "mm_l".into(),
+            key: "mm_o".into(),
+            cols: vec![("l".into(), Ty::Text), ("mm_row".into(), Ty::Int)],
+        },
+    ];
+    let mut used_tables: BTreeSet<String> = BTreeSet::from(["x".to_owned(), "mm_l".to_owned()]);
     while out.len() < n {
         let name = POOL[rng.pick(POOL.len())].to_owned();
         if !used_tables.insert(name.clone()) {
