@@ -534,6 +534,22 @@ impl PgNode {
         }
     }
 
+    /// Waits until one of the agent's sessions here waits for a lock (a
+    /// test's transaction holds it, to stop an apply statement at a chosen
+    /// point); `what` names that statement in the timeout's error.
+    pub async fn wait_for_agent_lock_wait(&self, timeout: Duration, what: &str) -> Result<()> {
+        let waiting = "SELECT count(*) FROM pg_stat_activity \
+                       WHERE application_name = 'mm-agent' AND wait_event_type = 'Lock'";
+        let deadline = Instant::now() + timeout;
+        while self.query_one_string(waiting).await?.as_deref() != Some("1") {
+            if Instant::now() >= deadline {
+                bail!("node {}: {what} never waited for the lock", self.name);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
     async fn take_cached(&self) -> Result<Client> {
         let cached = self.cached.lock().unwrap_or_else(|p| p.into_inner()).take();
         match cached {

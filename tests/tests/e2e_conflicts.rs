@@ -772,16 +772,9 @@ async fn hot_key_change_waits_for_a_newer_local_update(prefix: &str, remote: &st
         .batch_execute("BEGIN; UPDATE t SET v = 'b local' WHERE id = 1")
         .await?;
     let wa = write(&c, 0, remote).await?;
-    let waiting = "SELECT count(*) FROM pg_stat_activity \
-                   WHERE application_name = 'mm-agent' AND wait_event_type = 'Lock'";
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while c.pg[1].query_one_string(waiting).await?.as_deref() != Some("1") {
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "A's change never waited for the local transaction on B"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    c.pg[1]
+        .wait_for_agent_lock_wait(Duration::from_secs(30), "A's change")
+        .await?;
     local.batch_execute("COMMIT").await?;
     c.wait_sync(60).await?;
     // The local update committed last: it wins on both nodes.

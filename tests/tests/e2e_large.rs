@@ -361,16 +361,9 @@ async fn streamed_failure_names_its_commit(prefix: &str, bad: Bad) -> Result<()>
     }
     c.resume(&a, &b).await?;
     if bad == Bad::Waits {
-        let waiting = "SELECT count(*) FROM pg_stat_activity \
-                       WHERE application_name = 'mm-agent' AND wait_event_type = 'Lock'";
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while c.pg[1].query_one_string(waiting).await?.as_deref() != Some("1") {
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the refused row never waited for the lock"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        c.pg[1]
+            .wait_for_agent_lock_wait(Duration::from_secs(60), "the refused row")
+            .await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
         holder.batch_execute("COMMIT").await?;
     }

@@ -377,7 +377,8 @@ pub const IN_PLACE_PARAMS: usize = 6;
 /// by its key, every column sent. It locks the row (`FOR UPDATE`: the
 /// newest committed version, as the careful path's `fetch_rows` reads it,
 /// with that version's commit timestamp and origin read in the locking
-/// query's select list, never from a join: see `fetch_rows`), decides routine / remote wins / local wins by the same rules
+/// query's select list, never from a join: see `fetch_rows`), decides
+/// routine / remote wins / local wins by the same rules
 /// (`mm.routine_full` written out over the version's commit timestamp and
 /// origin the statement reads anyway: the function call and its two
 /// further lookups of them were half of what a resolution cost over a
