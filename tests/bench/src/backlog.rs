@@ -28,6 +28,10 @@ pub enum Shape {
     Update1,
     /// Single-row DELETE transactions over a preloaded table.
     Delete1,
+    /// Transactions of two statements on two tables (an UPDATE of a
+    /// preloaded row, an INSERT into a history table), keys never shared:
+    /// the small multi-statement transaction apply lanes can spread.
+    UpdateInsert,
     /// INSERT transactions of 1000 rows each.
     Insert1000,
     /// One INSERT transaction (200k rows by default).
@@ -38,10 +42,11 @@ pub enum Shape {
 }
 
 impl Shape {
-    pub const ALL: [Shape; 6] = [
+    pub const ALL: [Shape; 7] = [
         Shape::Insert1,
         Shape::Update1,
         Shape::Delete1,
+        Shape::UpdateInsert,
         Shape::Insert1000,
         Shape::OneTxn,
         Shape::Streamed,
@@ -52,6 +57,7 @@ impl Shape {
             Shape::Insert1 => "single-row INSERT txns",
             Shape::Update1 => "single-row UPDATE txns",
             Shape::Delete1 => "single-row DELETE txns",
+            Shape::UpdateInsert => "UPDATE+INSERT txns",
             Shape::Insert1000 => "1000-row INSERT txns",
             Shape::OneTxn => "one INSERT txn",
             Shape::Streamed => "one streamed INSERT txn",
@@ -63,6 +69,7 @@ impl Shape {
             Shape::Insert1 => "ins1",
             Shape::Update1 => "upd1",
             Shape::Delete1 => "del1",
+            Shape::UpdateInsert => "updins",
             Shape::Insert1000 => "ins1000",
             Shape::OneTxn => "one",
             Shape::Streamed => "streamed",
@@ -79,6 +86,7 @@ impl Shape {
             Shape::Insert1 => "bl_ins1",
             Shape::Update1 => "bl_upd1",
             Shape::Delete1 => "bl_del1",
+            Shape::UpdateInsert => "bl_updins",
             Shape::Insert1000 => "bl_ins1000",
             Shape::OneTxn => "bl_one",
             Shape::Streamed => "bl_streamed",
@@ -91,6 +99,8 @@ pub const SCHEMA: &str = "
 CREATE TABLE bl_ins1 (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
 CREATE TABLE bl_upd1 (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
 CREATE TABLE bl_del1 (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
+CREATE TABLE bl_updins (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
+CREATE TABLE bl_updins_h (id bigint PRIMARY KEY, aid bigint NOT NULL, v text NOT NULL);
 CREATE TABLE bl_ins1000 (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
 CREATE TABLE bl_one (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
 CREATE TABLE bl_streamed (id bigint PRIMARY KEY, n bigint NOT NULL, v text NOT NULL);
@@ -130,14 +140,17 @@ pub async fn run(sys: &System, shape: Shape, cfg: &BacklogConfig) -> Result<Back
     let table = shape.table();
     let rows = match shape {
         Shape::Insert1 | Shape::Update1 | Shape::Delete1 => cfg.rows,
+        // Two row changes per transaction.
+        Shape::UpdateInsert => 2 * cfg.rows,
         Shape::Insert1000 => cfg.batch_rows,
         Shape::OneTxn => cfg.one_txn_rows,
         Shape::Streamed => cfg.streamed_rows,
     };
-    if matches!(shape, Shape::Update1 | Shape::Delete1) {
+    if matches!(shape, Shape::Update1 | Shape::Delete1 | Shape::UpdateInsert) {
         sys.a()
             .execute(&format!(
-                "INSERT INTO {table} (id, n, v) SELECT g, 0, md5(g::text) FROM generate_series(1, {rows}) g"
+                "INSERT INTO {table} (id, n, v) SELECT g, 0, md5(g::text) FROM generate_series(1, {}) g",
+                cfg.rows
             ))
             .await?;
         sys.settle().await?;
@@ -147,19 +160,25 @@ pub async fn run(sys: &System, shape: Shape, cfg: &BacklogConfig) -> Result<Back
     a.batch_execute("SET synchronous_commit = off").await?;
     let t = Instant::now();
     let txns = match shape {
-        Shape::Insert1 | Shape::Update1 | Shape::Delete1 => {
+        Shape::Insert1 | Shape::Update1 | Shape::Delete1 | Shape::UpdateInsert => {
             let sql = match shape {
                 Shape::Insert1 => format!(
                     "INSERT INTO {table} (id, n, v) VALUES ($1::bigint, $1::bigint, md5($1::bigint::text))"
                 ),
                 Shape::Update1 => format!("UPDATE {table} SET n = n + 1 WHERE id = $1::bigint"),
+                // One statement, two row changes: decoded as an UPDATE and
+                // an INSERT of one transaction.
+                Shape::UpdateInsert => format!(
+                    "WITH u AS (UPDATE {table} SET n = n + 1 WHERE id = $1::bigint RETURNING id) \
+                     INSERT INTO {table}_h (id, aid, v) SELECT id, id, md5(id::text) FROM u"
+                ),
                 _ => format!("DELETE FROM {table} WHERE id = $1::bigint"),
             };
             // Committed before the stream starts: the driver's speed is
             // not part of the result.
             let conns = super::open_clients(sys.a(), 4, false, &sql).await?;
-            super::drive(conns, rows).await?;
-            rows
+            super::drive(conns, cfg.rows).await?;
+            cfg.rows
         }
         Shape::Insert1000 => {
             let mut lo = 1u64;
@@ -191,6 +210,12 @@ pub async fn run(sys: &System, shape: Shape, cfg: &BacklogConfig) -> Result<Back
             rows.to_string(),
         ),
         Shape::Delete1 => (format!("SELECT count(*) FROM {table}"), "0".to_owned()),
+        Shape::UpdateInsert => (
+            format!(
+                "SELECT (SELECT sum(n) FROM {table})::text || '/' || (SELECT count(*) FROM {table}_h)::text"
+            ),
+            format!("{0}/{0}", cfg.rows),
+        ),
         _ => (format!("SELECT count(*) FROM {table}"), rows.to_string()),
     };
     let sampler = Sampler::start(sys).await?;

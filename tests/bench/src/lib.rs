@@ -54,7 +54,7 @@ CREATE TABLE t_hot (id bigint PRIMARY KEY, n bigint NOT NULL, src int NOT NULL, 
 
 const TABLES: &str = "bench_fence, t_insert, t_bulk, t_update, bench_branches, bench_tellers, \
                       bench_accounts, bench_history, bench_heartbeat, t_disjoint, t_hot, \
-                      bl_ins1, bl_upd1, bl_del1, bl_ins1000, bl_one, bl_streamed";
+                      bl_ins1, bl_upd1, bl_del1, bl_updins, bl_updins_h, bl_ins1000, bl_one, bl_streamed";
 
 /// How long a system may take to deliver a workload before the run fails.
 const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(1800);

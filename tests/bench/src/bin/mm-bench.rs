@@ -55,9 +55,10 @@ shape. `mm-bench conflicts` = `--only 5`, `mm-bench backlog` = `--only 6`.
   --conflict-heartbeat-ms MS  heartbeat period on each node in workload 5 (default 20: the
                        runs last seconds, so lag needs more heartbeats than TPC-B's)
   --backlog-shapes LIST  shapes of workload 6 (default all): ins1, upd1, del1 (single-row
-                       txns), ins1000 (1000-row txns), one (one txn), streamed (one txn
+                       txns), updins (an UPDATE and an INSERT on two tables per txn),
+                       ins1000 (1000-row txns), one (one txn), streamed (one txn
                        larger than logical_decoding_work_mem, streamed before commit)
-  --backlog-rows N     transactions of the single-row shapes (default 50000)
+  --backlog-rows N     transactions of the single-row and updins shapes (default 50000)
   --backlog-batch-rows N  rows of the 1000-row-txn shape (default 200000)
   --backlog-one-rows N rows of the one-txn shape (default 200000)
   --backlog-streamed-rows N  rows of the streamed shape (default 1000000)
