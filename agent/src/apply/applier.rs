@@ -290,7 +290,7 @@ impl Applier {
             synchronous_commit,
             ctx.clone(),
             0,
-            lanes == 1,
+            lanes > 1,
         )
         .await?;
         if lanes > 1 {
@@ -303,7 +303,7 @@ impl Applier {
                     synchronous_commit,
                     ctx.clone(),
                     k,
-                    false,
+                    true,
                 )
                 .await?;
                 side.push(a);
@@ -326,7 +326,7 @@ impl Applier {
         synchronous_commit: &str,
         ctx: ApplyContext,
         lane: usize,
-        pipelined: bool,
+        lanes: bool,
     ) -> Result<(Applier, Lsn), ApplyFailure> {
         let client = crate::pg::connect(dsn, password)
             .await
@@ -346,18 +346,14 @@ impl Applier {
             .map_err(pg)?;
         // The fast path's own session (`pipeline.rs`). Without it (an
         // option of the DSN only tokio-postgres knows) the fast path runs
-        // on the client session, as apply lanes do: slower, not wrong.
-        let session = if pipelined {
-            match crate::pg::connect_pipelined(dsn, password, &settings).await {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    tracing::warn!(peer = %ctx.peer, error = %e,
-                        "cannot open the pipelined apply session; applying on the client session");
-                    None
-                }
+        // on the client session: slower, not wrong.
+        let session = match crate::pg::connect_pipelined(dsn, password, &settings).await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(peer = %ctx.peer, error = %e,
+                    "cannot open the pipelined apply session; applying on the client session");
+                None
             }
-        } else {
-            None
         };
         let bound = crate::stream::names::lane_origin_name(&ctx.peer, lane);
         crate::pg::bind_origin(&client, &bound).await.map_err(|e| {
@@ -437,6 +433,9 @@ impl Applier {
         let mut pipe = Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW);
         if let Some(session) = session {
             pipe = pipe.with_session(session, &bound);
+            if lanes {
+                pipe = pipe.eager();
+            }
         }
         let mut applier = Applier {
             pipe: Some(pipe),

@@ -228,6 +228,17 @@ impl Applier {
             {
                 l
             }
+            // Likewise behind one whose lock has not been answered yet:
+            // another lane would first wait for that reply, a round trip
+            // through everything queued ahead of it there. Moving on
+            // regardless serialized small multi-statement transactions on
+            // those replies (`mm-bench backlog updins`, 2 lanes: 11.4k
+            // rows/s against 31.5k with one).
+            (Placement::Free(_), Pred::Locked { lane: l, op, .. })
+                if !self.lane(l).pipe.as_ref().is_none_or(|p| p.answered(op)) =>
+            {
+                l
+            }
             (Placement::Free(k), _) => k,
             (Placement::Wait, _) => 0,
         };

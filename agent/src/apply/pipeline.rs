@@ -13,15 +13,20 @@
 //! progress is exactly the previous transaction's end, so a transaction whose
 //! predecessor rolled back fails too, and the first failure is reported.
 //!
-//! Two transports carry the statements. With one apply lane the pipeline
-//! has a session of its own (`mm_proto::client::PipelinedSession`) that
-//! sends a Sync only when replies are waited for: one ReadyForQuery and
-//! one socket flush per batch instead of per statement, which was as
-//! costly as a single-row transaction itself. Every transaction sends its
-//! own BEGIN/COMMIT (a single-statement one gets them here, `push_raw`), so
-//! a batch is never one implicit transaction. Apply lanes keep
-//! tokio-postgres (one Sync per statement): a lane waits for another
-//! lane's lock by the reply to it (`lanes.rs`).
+//! Two transports carry the statements. The pipeline has a session of its
+//! own (`mm_proto::client::PipelinedSession`) that sends a Sync only when
+//! replies are waited for: one ReadyForQuery and one socket flush per
+//! batch instead of per statement, which was as costly as a single-row
+//! transaction itself. Every transaction sends its own BEGIN/COMMIT (a
+//! single-statement one gets them here, `push_raw`), so a batch is never
+//! one implicit transaction. Without that session (a DSN option only
+//! tokio-postgres knows) statements go over tokio-postgres, one Sync each.
+//!
+//! Invariant (apply lanes, `lanes.rs`): a lane's session writes each
+//! transaction as soon as its COMMIT is queued (`Pipeline::eager`), since
+//! other lanes wait in the server for its commits; the agent may wait for
+//! any one lane's replies, and a COMMIT left in a buffer meanwhile would
+//! never run.
 //!
 //! Invariant (origin): a session writes replicated rows only while it holds
 //! the stream's replication origin. The pipelined session holds it while
@@ -170,6 +175,8 @@ struct Raw {
     /// The replication origin it binds while it holds it.
     origin: String,
     holds_origin: bool,
+    /// Every statement is written as it is pushed (`Pipeline::eager`).
+    eager: bool,
 }
 
 /// The transaction block a fused statement gets on the pipelined session:
@@ -303,7 +310,22 @@ impl Pipeline {
             block: BLOCK.map(Arc::from),
             origin: origin.to_owned(),
             holds_origin: false,
+            eager: false,
         })));
+        self
+    }
+
+    /// Writes every transaction as soon as its COMMIT is pushed instead of
+    /// batching writes: for apply lanes, whose sessions wait in the server
+    /// for each other's commits. A lane's COMMIT left in this buffer while
+    /// the agent waits for another lane's reply, and that lane waits for
+    /// the COMMIT, would never end. (A lane's own lock is waited for only
+    /// once its reply was read, which writes it.) Replies are still read
+    /// one Sync per batch.
+    pub fn eager(mut self) -> Self {
+        if let Some(raw) = self.raw.as_mut() {
+            raw.get_mut().eager = true;
+        }
         self
     }
 
@@ -533,6 +555,7 @@ impl Pipeline {
         mut meta: OpMeta,
     ) -> Result<(), ApplyFailure> {
         self.take_origin().await?;
+        let ends_txn = meta.commits;
         let fused = meta.commits && meta.kind != OpKind::Commit;
         let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
             return Err(ApplyFailure::new(None, "internal: no pipelined session"));
@@ -560,7 +583,11 @@ impl Pipeline {
             raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
         }
         self.count = raw.ops.len();
-        raw.session.send_some().await.map_err(raw_err(None))
+        if raw.eager && ends_txn {
+            raw.session.send_all().await.map_err(raw_err(None))
+        } else {
+            raw.session.send_some().await.map_err(raw_err(None))
+        }
     }
 
     /// The next reply, on whichever transport: rows changed (or, for

@@ -437,6 +437,14 @@ impl PipelinedSession {
         Ok(())
     }
 
+    /// Writes everything queued now, waiting for the socket (no Sync).
+    /// For sessions whose statements another session may wait for in the
+    /// server (apply lanes): a statement still queued here when the agent
+    /// waits for that other session would never run.
+    pub async fn send_all(&mut self) -> Result<(), ClientError> {
+        self.write().await
+    }
+
     async fn write(&mut self) -> Result<(), ClientError> {
         self.conn.flush().await?;
         self.queued_since = None;
