@@ -175,7 +175,8 @@ struct Raw {
     /// The replication origin it binds while it holds it.
     origin: String,
     holds_origin: bool,
-    /// Every statement is written as it is pushed (`Pipeline::eager`).
+    /// Each transaction is written once its COMMIT is pushed
+    /// (`Pipeline::eager`).
     eager: bool,
 }
 
@@ -319,9 +320,11 @@ impl Pipeline {
     /// batching writes: for apply lanes, whose sessions wait in the server
     /// for each other's commits. A lane's COMMIT left in this buffer while
     /// the agent waits for another lane's reply, and that lane waits for
-    /// the COMMIT, would never end. (A lane's own lock is waited for only
-    /// once its reply was read, which writes it.) Replies are still read
-    /// one Sync per batch.
+    /// the COMMIT, would never end. Today the dispatcher also reads a
+    /// transaction's lock reply before another lane may wait for it
+    /// (`lanes.rs`), and that wait writes everything queued here, the
+    /// COMMIT included; this keeps the invariant without relying on it.
+    /// Replies are still read one Sync per batch.
     pub fn eager(mut self) -> Self {
         if let Some(raw) = self.raw.as_mut() {
             raw.get_mut().eager = true;
