@@ -235,7 +235,7 @@ impl Applier {
             // those replies (`mm-bench backlog updins`, 2 lanes: 11.4k
             // rows/s against 31.5k with one).
             (Placement::Free(_), Pred::Locked { lane: l, op, .. })
-                if !self.lane(l).pipe.as_ref().is_none_or(|p| p.answered(op)) =>
+                if !self.lock_answered(l, op) =>
             {
                 l
             }
@@ -250,7 +250,7 @@ impl Applier {
             Pred::Unlocked { .. } => None,
             Pred::Locked { lane: l, .. } if l == lane => None,
             Pred::Locked { lane: l, key, op } => {
-                while !self.lane(l).pipe.as_ref().is_none_or(|p| p.answered(op)) {
+                while !self.lock_answered(l, op) {
                     self.settle_next_lane().await?;
                 }
                 Some(key)
@@ -401,6 +401,12 @@ impl Applier {
         if let Some(l) = self.lanes.as_mut() {
             l.pred = Pred::Unlocked { lane: 0 };
         }
+    }
+
+    /// Whether lane `l` has read the reply to statement `op` (the lock a
+    /// transaction takes there): only then may another lane wait for it.
+    fn lock_answered(&mut self, l: usize, op: u64) -> bool {
+        self.lane(l).pipe.as_ref().is_none_or(|p| p.answered(op))
     }
 
     /// Statements in flight on this session alone.
