@@ -2171,17 +2171,73 @@ async fn two_nodes_unchanged_toast_in_an_update_conflict() -> Result<()> {
     .await?;
     write(&c, 0, "UPDATE doc SET v = 'a' WHERE id = 1").await?;
     resume_both_and_sync(&c).await?;
+    ensure_a_row_everywhere(&c).await
+}
+
+/// A's row everywhere, whole: the seed's TOASTed value, `v = 'a'`.
+async fn ensure_a_row_everywhere(c: &TestCluster) -> Result<()> {
     let want = vec![vec![
         Some("1".into()),
-        doc_md5(&c, 200, "old").await?,
+        doc_md5(c, 200, "old").await?,
         Some("6400".into()),
         Some("a".into()),
     ]];
     ensure!(
         c.assert_same(DUMP_DOC).await? == want,
-        "want A's row everywhere"
+        "want A's row everywhere, with the TOASTed value A has"
     );
     Ok(())
+}
+
+/// A watermark is the newest commit timestamp a publisher applied from an
+/// origin, and an origin's commit timestamps run slightly out of its commit
+/// order: the publisher may announce a watermark past a version it has not
+/// applied. Here A's announcement says so by hand, as such a reordering
+/// would, only wider (half a second past B's version). B changes the
+/// TOASTed column, A (without B's change) another one, later. Taken at its
+/// word, the watermark makes A's update routine on B, and B would keep its
+/// own TOASTed value under A's winning row, which A does not have. Within
+/// the order margin B must take the row from A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_unchanged_toast_watermark_past_an_unapplied_version() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = cluster(&["tw1", "tw2"], DOC_SCHEMA, Res::Lww).await?;
+    seed(
+        &c,
+        &format!("INSERT INTO doc SELECT 1, {}, 'init'", big_sql(200, "old")),
+    )
+    .await?;
+    c.pause("tw2", "tw1").await?;
+    let b = write(
+        &c,
+        1,
+        &format!("UPDATE doc SET big = {} WHERE id = 1", big_sql(300, "new")),
+    )
+    .await?;
+    // The announcement and the update in one transaction: no real
+    // announcement of A's can come between them.
+    write(
+        &c,
+        0,
+        &format!(
+            "DO $w$ BEGIN PERFORM pg_logical_emit_message(false, 'mm.watermark', \
+             jsonb_build_object('node', 'tw1', 'applied', \
+             jsonb_build_object('tw2', '{} UTC'::timestamptz + interval '500 ms'))::text); END $w$; \
+             UPDATE doc SET v = 'a' WHERE id = 1",
+            b.ts
+        ),
+    )
+    .await?;
+    c.wait_for(
+        1,
+        "SELECT v FROM doc WHERE id = 1",
+        "a",
+        Duration::from_secs(30),
+    )
+    .await?;
+    c.resume("tw2", "tw1").await?;
+    c.wait_sync(90).await?;
+    ensure_a_row_everywhere(&c).await
 }
 
 /// Two nodes, B deletes the row, A later updates another column: the

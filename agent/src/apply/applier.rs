@@ -149,8 +149,46 @@ pub type TxnBody = Arc<dyn Replayable>;
 #[derive(Debug)]
 pub struct Watermark {
     pub map: BTreeMap<String, DateTime<Utc>>,
-    /// The same as `mm.routine` parameters: origin ids and timestamps.
-    params: (Param, Param),
+    /// The same as `mm.routine` parameters: origin ids and timestamps, and
+    /// the timestamps less `watermark::ORDER_MARGIN` (`Guard::params`).
+    params: (Param, Param, Param),
+}
+
+/// The routine test's parameters for one transaction's statements
+/// (`sql::GUARD_PARAMS`): the watermark as announced, or less the order
+/// margin where a routine verdict keeps values from the local row
+/// (`Guard::params`).
+pub(super) struct Guard {
+    peers: Param,
+    ts: Param,
+    wm: Arc<Watermark>,
+}
+
+impl Guard {
+    /// `margin`: the watermark less `watermark::ORDER_MARGIN`. A watermark
+    /// is the newest commit timestamp the publisher applied from an origin,
+    /// and an origin's commit timestamps run slightly out of its commit
+    /// order: it had applied that origin's commits stamped before it less
+    /// the margin, not surely every one stamped before it. That is enough
+    /// to tell a routine change from a conflict (the rest of the window is
+    /// accepted, as in `watermark.rs`), but not to keep a column value the
+    /// change did not send (unchanged TOAST) from the local row: the
+    /// publisher's row may hold an older one, and this node would keep a
+    /// value no other node has. Within the margin such an update goes the
+    /// careful way, which takes the row from the publisher.
+    pub(super) fn params(&self, margin: bool) -> [Param; 4] {
+        let wm_ts = if margin {
+            &self.wm.params.2
+        } else {
+            &self.wm.params.1
+        };
+        [
+            self.peers.clone(),
+            self.ts.clone(),
+            self.wm.params.0.clone(),
+            wm_ts.clone(),
+        ]
+    }
 }
 
 /// Who is applying what, and how conflicts are decided.
@@ -449,7 +487,11 @@ impl Applier {
             origin_params: (Param::oid_array(&[]), Param::text_array(&[])),
             wm: Arc::new(Watermark {
                 map: BTreeMap::new(),
-                params: (Param::oid_array(&[]), Param::timestamptz_array(&[])),
+                params: (
+                    Param::oid_array(&[]),
+                    Param::timestamptz_array(&[]),
+                    Param::timestamptz_array(&[]),
+                ),
             }),
             store_watermark,
             queued: VecDeque::new(),
@@ -606,15 +648,21 @@ impl Applier {
         }
         let mut ids = Vec::new();
         let mut ts = Vec::new();
+        let mut less = Vec::new();
         for (node, t) in &wm {
             for (id, _) in self.origins.iter().filter(|(_, n)| *n == node) {
                 ids.push(*id);
                 ts.push(PgTimestamp::from_datetime(*t).0);
+                less.push(PgTimestamp::from_datetime(*t - crate::watermark::ORDER_MARGIN).0);
             }
         }
         self.wm = Arc::new(Watermark {
             map: wm,
-            params: (Param::oid_array(&ids), Param::timestamptz_array(&ts)),
+            params: (
+                Param::oid_array(&ids),
+                Param::timestamptz_array(&ts),
+                Param::timestamptz_array(&less),
+            ),
         });
         Ok(())
     }
@@ -642,13 +690,12 @@ impl Applier {
         self.routine_careful = n;
     }
 
-    pub(super) fn guard_params(&self, txn: &TxnMeta) -> [Param; 4] {
-        [
-            Param::oid_array(&self.peer_roidents),
-            Param::timestamptz(txn.commit_ts.0),
-            self.wm.params.0.clone(),
-            self.wm.params.1.clone(),
-        ]
+    pub(super) fn guard_params(&self, txn: &TxnMeta) -> Guard {
+        Guard {
+            peers: Param::oid_array(&self.peer_roidents),
+            ts: Param::timestamptz(txn.commit_ts.0),
+            wm: Arc::clone(&self.wm),
+        }
     }
 
     /// The highest applied remote position whose local commit is flushed to

@@ -622,8 +622,10 @@ impl Applier {
     }
 
     /// The routine test (`conflict::routine`, the same rule `mm.routine`
-    /// applies on the fast path).
-    fn no_conflict(&self, v: &Version, remote_ts: DateTime<Utc>) -> bool {
+    /// applies on the fast path). `margin`: take the peer's watermark less
+    /// `watermark::ORDER_MARGIN`, when values are kept from the local row
+    /// (`applier::Guard::params` says why).
+    fn no_conflict(&self, v: &Version, remote_ts: DateTime<Utc>, margin: bool) -> bool {
         let facts = crate::conflict::routine::VersionFacts {
             roident: v.roident,
             ts: v.ts,
@@ -634,7 +636,12 @@ impl Applier {
             &self.peer_roidents,
             |id| {
                 let node = self.origins.get(&id)?;
-                self.wm.map.get(node).copied()
+                let w = self.wm.map.get(node).copied()?;
+                Some(if margin {
+                    w - crate::watermark::ORDER_MARGIN
+                } else {
+                    w
+                })
             },
             remote_ts,
         )
@@ -743,7 +750,7 @@ impl Applier {
     /// A local version as the rules see it.
     fn seen(&self, v: &Version, rts: DateTime<Utc>) -> Seen {
         Seen {
-            routine: self.no_conflict(v, rts),
+            routine: self.no_conflict(v, rts, false),
             ts: v.ts,
             origin: self.origin_name(v),
         }
@@ -1301,7 +1308,9 @@ impl Applier {
         // winner is written whole on every node.
         let mut gone_on_origin = false;
         if toast {
-            let conflicting = target.as_ref().is_none_or(|t| !self.no_conflict(t, rts))
+            let conflicting = target
+                .as_ref()
+                .is_none_or(|t| !self.no_conflict(t, rts, true))
                 || self.base_may_be_stale(rts);
             if conflicting {
                 match self.fetch_unchanged(oid, &upd.new, rts).await? {
@@ -1443,7 +1452,7 @@ impl Applier {
         if unchanged_mask(&upd.new).iter().any(|u| *u) {
             let local = target
                 .as_ref()
-                .filter(|t| self.no_conflict(t, rts) && !self.base_may_be_stale(rts))
+                .filter(|t| self.no_conflict(t, rts, true) && !self.base_may_be_stale(rts))
                 .and_then(|t| t.ctid.clone());
             tracing::debug!(relation = %rel.display, old_key = ?old_key,
                 target = ?target.as_ref().map(|t| self.seen(t, rts)),

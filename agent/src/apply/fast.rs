@@ -10,7 +10,7 @@ use mm_proto::pgoutput::{
 };
 
 use super::applier::{
-    Applier, ChangeSource, TxnMeta, is_partition_truncate, partition_truncate_params,
+    Applier, ChangeSource, Guard, TxnMeta, is_partition_truncate, partition_truncate_params,
 };
 use super::pipeline::{OpKind, OpMeta, Pipeline, Stmt};
 use super::relation::LocalRelation;
@@ -458,7 +458,7 @@ impl Applier {
         &mut self,
         pipe: &mut Pipeline,
         txn: TxnMeta,
-        guard: &[Param; 4],
+        guard: &Guard,
         mut upd: Update,
         progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
@@ -513,7 +513,9 @@ impl Applier {
         let rel = self.rel(upd.relation_oid)?;
         let loc_params = match_params.len();
         params.extend(match_params);
-        params.extend(guard.iter().cloned());
+        // Columns left out of SET keep the local row's values: routine only
+        // if the publisher surely had that version (`Guard::params`).
+        params.extend(guard.params(unchanged(&upd)));
         if in_place {
             params.extend(self.in_place_params(&txn, &display));
         }
@@ -574,7 +576,7 @@ impl Applier {
         &mut self,
         pipe: &mut Pipeline,
         txn: TxnMeta,
-        guard: &[Param; 4],
+        guard: &Guard,
         del: Delete,
         progress: Option<[Param; sql::PROGRESS_PARAMS]>,
     ) -> Result<(), ApplyFailure> {
@@ -582,7 +584,7 @@ impl Applier {
         let display = Arc::clone(&rel.display);
         let (match_mask, mut params) = locate(rel, Some(&del.old), None)?;
         let loc_params = params.len();
-        params.extend(guard.iter().cloned());
+        params.extend(guard.params(false));
         let commit = commit_at(&mut params, progress);
         let key = (match_mask, commit);
         let stmt = match rel.delete.get(&key) {
