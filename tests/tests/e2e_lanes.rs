@@ -337,3 +337,100 @@ async fn lanes_keep_exactly_once_and_commit_order_across_agent_and_postgres_cras
     );
     same_commits(&c, txns, &format!("MM_SEED={seed}: ")).await
 }
+
+/// How often the subscriber's server log says `what`.
+fn log_count(node: &PgNode, what: &str) -> Result<usize> {
+    let log = std::fs::read_to_string(node.log_path())
+        .with_context(|| format!("reading {}", node.log_path().display()))?;
+    Ok(log.matches(what).count())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_spread_single_row_transactions_and_go_on_after_a_conflict_among_them() -> Result<()>
+{
+    mm_tests::init_tracing();
+    let c = TestCluster::start_opts(
+        &["sa", "sb"],
+        "CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL);",
+        ClusterOptions {
+            agent_toml: "apply_lanes = 2\n".into(),
+            ..ClusterOptions::default()
+        },
+    )
+    .await?;
+    c.pause("sa", "sb").await?;
+    c.pause("sb", "sa").await?;
+    // Rows the subscriber wrote itself, older than the publisher's: the
+    // publisher's inserts of them conflict in the middle of lane apply.
+    let conflicting = [700, 1400];
+    for id in conflicting {
+        c.pg[1]
+            .execute(&format!("INSERT INTO items VALUES ({id}, -1)"))
+            .await?;
+    }
+    // One statement per transaction: the common OLTP shape, which before
+    // the lanes' tokens stayed on one lane.
+    let n = 2000;
+    let stmts: Vec<String> = (1..=n)
+        .map(|i| format!("INSERT INTO items VALUES ({i}, {i})"))
+        .collect();
+    run_each(&c, 0, &stmts).await?;
+    let started = Instant::now();
+    c.resume("sa", "sb").await?;
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM items WHERE v > 0",
+        &n.to_string(),
+        Duration::from_secs(120),
+    )
+    .await?;
+    let took = started.elapsed();
+    c.resume("sb", "sa").await?;
+    c.wait_sync(120).await?;
+
+    c.assert_same("SELECT * FROM items ORDER BY 1").await?;
+    assert_eq!(
+        one(&c, 1, "SELECT count(*) FROM items").await?,
+        n.to_string()
+    );
+    assert_eq!(
+        one(&c, 1, "SELECT count(*) FROM items WHERE v < 0").await?,
+        "0",
+        "the publisher's newer rows win"
+    );
+    let logged = one(&c, 1, "SELECT count(*) FROM mm.conflict_log").await?;
+    assert_eq!(logged, conflicting.len().to_string());
+    // Consecutive transactions went to different lanes, not runs of them
+    // to one lane at a time (ids were inserted in commit order). With 2
+    // lanes a transaction stays in its predecessor's lane only while it
+    // cannot be sure of that lane's token (`lanes.rs`).
+    let switches: u64 = one(
+        &c,
+        1,
+        "SELECT count(*) FROM (SELECT o, lag(o) OVER (ORDER BY id) AS p FROM \
+         (SELECT id, (pg_xact_commit_timestamp_origin(xmin)).roident AS o FROM items) s) t \
+         WHERE o <> p",
+    )
+    .await?
+    .parse()?;
+    ensure!(
+        switches >= n / 4,
+        "{switches} of {n} single-row transactions went to another lane than the one before: \
+         they did not spread over the lanes"
+    );
+    // The failed lane let go of its tokens at once: no lane waited until
+    // its lock timeout, and no transaction let go of a token it did not
+    // hold (the tokens' bookkeeping is exact).
+    assert_eq!(
+        log_count(&c.pg[1], "lock timeout")?,
+        0,
+        "waited for a token until the lock timeout"
+    );
+    assert_eq!(
+        log_count(&c.pg[1], "you don't own a lock")?,
+        0,
+        "a token let go twice"
+    );
+    eprintln!("caught up in {took:?}, {switches} lane switches in {n} transactions");
+    Ok(())
+}

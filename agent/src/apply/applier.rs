@@ -279,20 +279,19 @@ pub struct Applier {
     pub(super) deferred: super::deferred::Deferred,
     /// The other apply lanes of this stream (`lanes.rs`); None with one.
     pub(super) lanes: Option<Box<super::lanes::Lanes>>,
-    /// The locks of the transaction being queued in a lane (`lanes.rs`),
-    /// and the number of the statement that takes its own.
+    /// The locks of the transaction being queued in a lane (`lanes.rs`).
     pub(super) turn: Option<super::lanes::Turn>,
-    pub(super) turn_op: u64,
-    /// The transaction queued in a lane went out as one statement.
-    pub(super) turn_fused: bool,
     /// The gate, taken for this lane by the dispatcher (`lanes.rs`).
     pub(super) gate_ticket: Option<super::gate::Shared>,
     /// Routine changes counted by the other lanes, not yet reported.
     pub(super) routine_side: u64,
-    /// `pg_advisory_xact_lock` and `_shared` on (int4, int4): a lane's own
-    /// turn and its wait for the one before (`lanes.rs`).
-    pub(super) lock_own: Stmt,
-    pub(super) wait_prev: Stmt,
+    /// A lane transaction's turn, its wait for the one before, the lane's
+    /// token taken afresh, and every token let go (`sql::LANE_*`,
+    /// `lanes.rs`).
+    pub(super) lane_turn: Stmt,
+    pub(super) lane_wait: Stmt,
+    pub(super) lane_token: Stmt,
+    pub(super) lane_release: Stmt,
 }
 
 fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
@@ -429,8 +428,10 @@ impl Applier {
         for text in [
             "BEGIN",
             "COMMIT",
-            "SELECT pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4)",
-            "SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4)",
+            &sql::lane_turn(),
+            sql::LANE_WAIT,
+            sql::LANE_TOKEN,
+            sql::LANE_RELEASE,
             // One statement records progress (only if the previous
             // transaction's is in place: see pipeline.rs) and gives the
             // commit the remote commit timestamp through the origin
@@ -440,7 +441,15 @@ impl Applier {
             let prepared = client.prepare(text).await.map_err(pg)?;
             control.push(Stmt::prepared(text, prepared, stmt_names.next()));
         }
-        let [begin, commit, lock_own, wait_prev, advance]: [Stmt; 5] = control
+        let [
+            begin,
+            commit,
+            lane_turn,
+            lane_wait,
+            lane_token,
+            lane_release,
+            advance,
+        ]: [Stmt; 7] = control
             .try_into()
             .map_err(|_| ApplyFailure::new(None, "internal: control statements"))?;
         let wal_positions = client.prepare(WAL_POSITIONS).await.map_err(pg)?;
@@ -516,12 +525,12 @@ impl Applier {
             origin_client: None,
             lanes: None,
             turn: None,
-            turn_op: 0,
-            turn_fused: false,
             gate_ticket: None,
             routine_side: 0,
-            lock_own,
-            wait_prev,
+            lane_turn,
+            lane_wait,
+            lane_token,
+            lane_release,
         };
         applier.load_origins().await?;
         if let Some(wm) = stored_wm

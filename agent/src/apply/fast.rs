@@ -56,12 +56,12 @@ impl Applier {
             control_op(OpKind::Control, *meta),
         )
         .await?;
-        // In a lane: the lock the next transaction waits for (`lanes.rs`).
-        if let Some(own) = self.turn.map(|t| t.own) {
-            self.turn_op = pipe.pushed();
+        // In a lane: the lock the next transaction waits for, and the
+        // lane's token moved on (`lanes.rs`).
+        if let Some(turn) = self.turn {
             pipe.push(
-                &self.lock_own.clone(),
-                vec![Param::int4(own.0), Param::int4(own.1)],
+                &self.lane_turn.clone(),
+                turn.turn_params().to_vec(),
                 control_op(OpKind::Control, *meta),
             )
             .await?;
@@ -185,13 +185,11 @@ impl Applier {
         change: Message,
     ) -> Result<(), ApplyFailure> {
         let txn = *meta;
-        let progress = self.progress_params(meta);
-        // In a lane: no lock of its own (see `lanes::Turn`); the wait for
-        // the one before is a statement of its own, so the guard's snapshot
-        // is taken after that one ended.
+        let mut progress = self.progress_params(meta).to_vec();
+        // In a lane: the turn, and the wait for the one before after the
+        // row change, are in the statement itself (`sql::final_select`).
         if let Some(turn) = self.turn {
-            self.turn_fused = true;
-            self.push_wait_prev(pipe, turn.prev, txn).await?;
+            progress.extend(turn.fused_params());
         }
         match change {
             Message::Insert(i) => self.insert(pipe, txn, i, Some(progress)).await,
@@ -226,14 +224,14 @@ impl Applier {
     async fn push_wait_prev(
         &self,
         pipe: &mut Pipeline,
-        prev: Option<(i32, i32)>,
+        turn: Option<super::lanes::Turn>,
         txn: TxnMeta,
     ) -> Result<(), ApplyFailure> {
-        match prev {
-            Some(prev) => {
+        match turn.and_then(|t| t.wait_params()) {
+            Some(params) => {
                 pipe.push(
-                    &self.wait_prev,
-                    vec![Param::int4(prev.0), Param::int4(prev.1)],
+                    &self.lane_wait,
+                    params.to_vec(),
                     control_op(OpKind::Control, txn),
                 )
                 .await
@@ -253,8 +251,7 @@ impl Applier {
         self.push_fk_checks(pipe, meta).await?;
         // In a lane: the one before has committed or rolled back once this
         // returns, and the guard's own snapshot, taken after it, shows which.
-        self.push_wait_prev(pipe, self.turn.and_then(|t| t.prev), txn)
-            .await?;
+        self.push_wait_prev(pipe, self.turn, txn).await?;
         pipe.push(
             &self.advance.clone(),
             self.progress_params(meta).to_vec(),
@@ -434,14 +431,18 @@ impl Applier {
         pipe: &mut Pipeline,
         txn: TxnMeta,
         ins: Insert,
-        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
+        progress: Option<Vec<Param>>,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
         let mut params = tuple_params(&ins.new, rel, None)?;
         params.push(Param::timestamptz(txn.commit_ts.0));
         let display = Arc::clone(&rel.display);
         let commit = commit_at(&mut params, progress);
-        let slot = usize::from(commit != Commit::Later);
+        let slot = match commit {
+            Commit::Later => 0,
+            Commit::Fused { lane: false, .. } => 1,
+            Commit::Fused { lane: true, .. } => 2,
+        };
         let stmt = match &rel.insert[slot] {
             Some(s) => s.clone(),
             None => {
@@ -460,7 +461,7 @@ impl Applier {
         txn: TxnMeta,
         guard: &Guard,
         mut upd: Update,
-        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
+        progress: Option<Vec<Param>>,
     ) -> Result<(), ApplyFailure> {
         // Unchanged TOAST means "as in the publisher's row". That row may
         // hold a change from a third node this node has not applied yet
@@ -578,7 +579,7 @@ impl Applier {
         txn: TxnMeta,
         guard: &Guard,
         del: Delete,
-        progress: Option<[Param; sql::PROGRESS_PARAMS]>,
+        progress: Option<Vec<Param>>,
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(del.relation_oid)?;
         let display = Arc::clone(&rel.display);
@@ -683,18 +684,17 @@ pub(super) fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
     }
 }
 
-/// Appends the progress parameters of a one-statement transaction after a
-/// row statement's own, and says where they start.
-pub(super) fn commit_at(
-    params: &mut Vec<Param>,
-    progress: Option<[Param; sql::PROGRESS_PARAMS]>,
-) -> Commit {
+/// Appends the progress parameters of a one-statement transaction (and, in
+/// a lane, its turn's: `Turn::fused_params`) after a row statement's own,
+/// and says where they start.
+pub(super) fn commit_at(params: &mut Vec<Param>, progress: Option<Vec<Param>>) -> Commit {
     match progress {
         None => Commit::Later,
         Some(p) => {
             let first = params.len() + 1;
+            let lane = p.len() > sql::PROGRESS_PARAMS;
             params.extend(p);
-            Commit::Fused { first }
+            Commit::Fused { first, lane }
         }
     }
 }

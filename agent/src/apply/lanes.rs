@@ -9,19 +9,35 @@
 //! lanes record progress in the peer's one `mm.apply_progress` row.
 //!
 //! Invariant (commit order, exactly-once): a transaction placed in a lane
-//! takes an advisory lock of its own right after BEGIN, and before its
-//! progress guard it waits for the lock of the transaction before it when
-//! that one is in another lane, i.e. until it committed or rolled back.
-//! Its guard then finds the previous transaction's end only if that one
-//! committed, so transactions commit one after another in the publisher's
-//! order across lanes, and a failure rolls back every transaction after it,
-//! as on one session. The wait is a lock PostgreSQL sees: if two lanes ever
-//! wait for each other (a dependency no fingerprint showed), its deadlock
-//! detector ends one of them, and the failure path below applies the rest
-//! alone. The lock must exist before the wait starts, so a transaction is
-//! only sent to a lane once the reply to its predecessor's lock has been
-//! read (`Pred::Locked`); every statement of a transaction is then sent at
-//! once, and no lane ever waits for the agent.
+//! takes an advisory lock of its own first, and before its progress guard
+//! it waits for the lock of the transaction before it when that one is in
+//! another lane, i.e. until it committed or rolled back. Its guard then
+//! finds the previous transaction's end only if that one committed, so
+//! transactions commit one after another in the publisher's order across
+//! lanes, and a failure rolls back every transaction after it, as on one
+//! session. The guard alone decides: a wait that ends too early (a lock
+//! not taken yet) fails the guard, never commits out of order. The wait
+//! is a lock PostgreSQL sees: if two lanes ever wait for each other (a
+//! dependency no fingerprint showed), its deadlock detector ends one of
+//! them, and the failure path below applies the rest alone.
+//!
+//! The lock must exist before the wait starts, for the wait to mean
+//! anything. Each lane's session holds a token, a session-level advisory
+//! lock for its next position; a transaction takes its own lock, then the
+//! token of the position after it, then lets go of its own position's. A
+//! transaction in another lane waits for that token (shared), then for the
+//! lock. The token exists before the wait when the lane's transaction
+//! that took it has committed before the waiter starts: the dispatcher
+//! only sends a transaction to another lane when the last transaction
+//! queued there ends after that one (commits follow the publisher's order,
+//! so the waiter's lane committed it first), or when it is known to have
+//! committed (`token_sure`). Otherwise the transaction stays in its
+//! predecessor's lane. So single-row transactions alternate between lanes
+//! and their row changes run at once; only their commits are serial. A
+//! lane's transaction waits at most `LANE_LOCK_TIMEOUT` for any lock: a
+//! token held by a lane idle after a failure (its next transaction was
+//! skipped) would otherwise never be let go; the failure path lets every
+//! lane's tokens go first (`release_tokens`), the timeout is the backstop.
 //!
 //! Everything the scheduler cannot place safely (tables with triggers that
 //! fire on apply or in foreign keys, truncates, relation changes, messages,
@@ -49,15 +65,18 @@ use super::{ApplyFailure, Param};
 /// What the transaction sent last waits on, for the one sent next.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Pred {
-    /// Committed, or queued in `lane` without a lock (the single-session
-    /// path, or one statement that is its whole transaction): a transaction
-    /// for another lane waits until that lane settled.
+    /// Committed, or queued in `lane` outside the lanes (the
+    /// single-session path): a transaction for another lane waits until
+    /// that lane settled.
     Unlocked { lane: usize },
-    /// Placed in `lane` with lock `key`, taken by statement `op` there.
+    /// Placed in `lane` with lock `key`, after taking the lane's token
+    /// `token`, which the transaction `taker` took before it (`None`: at
+    /// the token's start, known to be held).
     Locked {
         lane: usize,
         key: (i32, i32),
-        op: u64,
+        token: (i32, i32),
+        taker: Option<Lsn>,
     },
 }
 
@@ -65,18 +84,86 @@ pub(super) enum Pred {
 struct Ready {
     lane: usize,
     turn: Turn,
+    taker: Option<Lsn>,
+    /// The token position the transaction takes.
+    next_pos: u32,
     ticket: super::gate::Shared,
 }
 
-/// The lock a transaction applied in a lane takes, and the one before it
-/// that it waits for (set on the lane's `Applier` while it is queued). A
-/// transaction that is one statement (`sql::Commit::Fused`) takes none: it
-/// waits for the one before in a statement of its own, and the next one
-/// goes to another lane only after it committed (`Pred::Unlocked`).
+/// The locks of a transaction applied in a lane (set on the lane's
+/// `Applier` while it is queued): its own, its lane's token positions,
+/// and what it waits for.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Turn {
     pub own: (i32, i32),
-    pub prev: Option<(i32, i32)>,
+    /// (token class, the position it lets go of, the one it takes).
+    pub token: (i32, i32, i32),
+    pub prev: Option<Wait>,
+}
+
+/// The transaction before, in another lane: its lane's token, its lock.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wait {
+    pub token: (i32, i32),
+    pub lock: (i32, i32),
+}
+
+impl Turn {
+    /// `sql::LANE_TURN`'s parameters.
+    pub fn turn_params(&self) -> [Param; 5] {
+        [
+            Param::int4(self.own.0),
+            Param::int4(self.own.1),
+            Param::int4(self.token.0),
+            Param::int4(self.token.2),
+            Param::int4(self.token.1),
+        ]
+    }
+
+    /// `sql::LANE_WAIT`'s parameters, when there is one to wait for.
+    pub fn wait_params(&self) -> Option<[Param; 4]> {
+        self.prev.map(|w| {
+            [
+                Param::int4(w.token.0),
+                Param::int4(w.token.1),
+                Param::int4(w.lock.0),
+                Param::int4(w.lock.1),
+            ]
+        })
+    }
+
+    /// A fused statement's (`sql::LANE_PARAMS`). With nothing to wait for,
+    /// it waits for locks it holds itself, which is granted at once.
+    pub fn fused_params(&self) -> [Param; super::sql::LANE_PARAMS] {
+        let (token, lock) = match self.prev {
+            Some(w) => (w.token.1, w.lock.1),
+            None => (self.token.2, self.own.1),
+        };
+        [
+            Param::int4(self.own.0),
+            Param::int4(self.own.1),
+            Param::int4(self.token.0),
+            Param::int4(self.token.2),
+            Param::int4(self.token.1),
+            Param::int4(token),
+            Param::int4(lock),
+        ]
+    }
+}
+
+/// A lane's token: the position its session holds (`None`: to be taken,
+/// at first use and after a failure), the transaction that took it, and
+/// the newest transaction sent to the lane.
+#[derive(Debug, Clone, Copy, Default)]
+struct Token {
+    held: Option<u32>,
+    taker: Option<Lsn>,
+    last_sent: Lsn,
+}
+
+/// The second half of a token's key: lane and position.
+fn token_key(lane: usize, pos: u32) -> i32 {
+    (((lane as u32) << 24) | (pos & 0x00FF_FFFF)) as i32
 }
 
 pub(super) struct Lanes {
@@ -86,18 +173,41 @@ pub(super) struct Lanes {
     pred: Pred,
     /// First half of every lock key of this stream: keeps streams apart.
     class: i32,
+    /// First half of this stream's token keys.
+    token_class: i32,
+    /// By lane, 0 first.
+    tokens: Vec<Token>,
+    /// Positions are never reused, not even after a failure.
+    next_pos: u32,
+    /// Everything up to here committed (`retire_committed`).
+    committed: Lsn,
 }
 
 impl Lanes {
     pub fn new(peer: &str, side: Vec<Applier>) -> Lanes {
-        let mut h = DefaultHasher::new();
-        ("mm-lanes", peer).hash(&mut h);
+        let class = |what: &str| {
+            let mut h = DefaultHasher::new();
+            (what, peer).hash(&mut h);
+            h.finish() as i32
+        };
         Lanes {
             sched: Scheduler::new(side.len() + 1),
+            tokens: vec![Token::default(); side.len() + 1],
             side,
             pred: Pred::Unlocked { lane: 0 },
-            class: h.finish() as i32,
+            class: class("mm-lanes"),
+            token_class: class("mm-lane-tokens"),
+            next_pos: 0,
+            committed: Lsn(0),
         }
+    }
+
+    /// Whether a transaction sent to `lane` now surely starts after the
+    /// token `taker` took exists (module docs).
+    fn token_sure(&self, lane: usize, taker: Option<Lsn>) -> bool {
+        taker.is_none_or(|t| {
+            t <= self.committed || self.tokens.get(lane).is_some_and(|k| k.last_sent >= t)
+        })
     }
 
     fn key(&self, meta: &TxnMeta) -> (i32, i32) {
@@ -214,32 +324,27 @@ impl Applier {
             Some(l) => (l.key(meta), l.pred),
             None => return Err(ApplyFailure::new(None, "apply lanes vanished")),
         };
+        let sure = |a: &Applier, k: usize, taker: Option<Lsn>| {
+            a.lanes.as_ref().is_some_and(|l| l.token_sure(k, taker))
+        };
         let lane = match (placed, pred) {
-            (Placement::Lane(k), _) => k,
-            // Free to go anywhere, behind one that holds no lock and is
-            // still in flight (a one-statement transaction, the
-            // single-session path): it stays in that lane, since another
-            // lane would first wait for that one's commit reply. A run of
-            // single-row transactions thus stays pipelined on one session
-            // (measured: 50k single-row INSERTs at 26.0k rows/s with 2
-            // lanes against 23.9k with one; moving on instead, 5.4k).
+            // Free to go anywhere, behind one still in flight outside the
+            // lanes (the single-session path): it stays in that lane, since
+            // another lane would first wait for that one's commit reply.
             (Placement::Free(_), Pred::Unlocked { lane: l })
                 if self.lane(l).in_flight_here() > 0 =>
             {
                 l
             }
-            // Likewise behind one whose lock has not been answered yet:
-            // another lane would first wait for that reply, a round trip
-            // through everything queued ahead of it there. Moving on
-            // regardless serialized small multi-statement transactions on
-            // those replies (`mm-bench backlog updins`, 2 lanes: 11.4k
-            // rows/s against 31.5k with one).
-            (Placement::Free(_), Pred::Locked { lane: l, op, .. })
-                if !self.lock_answered(l, op) =>
+            // Likewise behind one whose lane's token another lane cannot be
+            // sure of yet (module docs): it waits in the server instead,
+            // behind that one on the same session.
+            (Placement::Free(k), Pred::Locked { lane: l, taker, .. })
+                if k != l && !sure(self, k, taker) =>
             {
                 l
             }
-            (Placement::Free(k), _) => k,
+            (Placement::Free(k), _) | (Placement::Lane(k), _) => k,
             (Placement::Wait, _) => 0,
         };
         let prev = match pred {
@@ -249,20 +354,78 @@ impl Applier {
             }
             Pred::Unlocked { .. } => None,
             Pred::Locked { lane: l, .. } if l == lane => None,
-            Pred::Locked { lane: l, key, op } => {
-                while !self.lock_answered(l, op) {
+            Pred::Locked {
+                key, token, taker, ..
+            } => {
+                // Placed there by its keys: it waits until the token is sure.
+                while !sure(self, lane, taker) {
+                    if self.in_flight_here() + self.in_flight_lanes() == 0 {
+                        break;
+                    }
                     self.settle_next_lane().await?;
+                    self.retire_committed();
                 }
-                Some(key)
+                Some(Wait { token, lock: key })
             }
         };
+        let (token, taker, next_pos) = self.ensure_token(lane, meta).await?;
         let ticket = self.gate_for_lanes().await?;
         self.sync_relations(lane, body).await?;
         Ok(Ready {
             lane,
-            turn: Turn { own, prev },
+            turn: Turn { own, token, prev },
+            taker,
+            next_pos,
             ticket,
         })
+    }
+
+    /// The token positions a transaction sent to `lane` moves (class, the
+    /// one held, the next), and the transaction that took the one held.
+    /// A lane without a token takes one first, and waits for the reply:
+    /// a token nobody took yet is only sure once it is known to be held.
+    async fn ensure_token(
+        &mut self,
+        lane: usize,
+        meta: &TxnMeta,
+    ) -> Result<((i32, i32, i32), Option<Lsn>, u32), ApplyFailure> {
+        let Some(l) = self.lanes.as_mut() else {
+            return Err(ApplyFailure::new(None, "apply lanes vanished"));
+        };
+        let class = l.token_class;
+        let held = l.tokens.get(lane).and_then(|t| t.held);
+        let pos = match held {
+            Some(p) => p,
+            None => {
+                let p = l.next_pos;
+                l.next_pos = p.wrapping_add(1);
+                let a = self.lane(lane);
+                a.settle(0).await?;
+                let stmt = a.lane_token.clone();
+                let params = vec![Param::int4(class), Param::int4(token_key(lane, p))];
+                if let Some(pipe) = a.pipe.as_mut() {
+                    let op = super::fast::control_op(super::pipeline::OpKind::Control, *meta);
+                    pipe.push(&stmt, params, op).await?;
+                    pipe.settle(0).await?;
+                }
+                p
+            }
+        };
+        let Some(l) = self.lanes.as_mut() else {
+            return Err(ApplyFailure::new(None, "apply lanes vanished"));
+        };
+        let next = l.next_pos;
+        l.next_pos = next.wrapping_add(1);
+        let t = &mut l.tokens[lane];
+        if held.is_none() {
+            t.taker = None;
+        }
+        t.held = Some(pos);
+        Ok((
+            (class, token_key(lane, pos), token_key(lane, next)),
+            t.taker,
+            next,
+        ))
     }
 
     /// Sends `meta` whole to its lane: it is in that lane's queue from
@@ -274,7 +437,13 @@ impl Applier {
         keys: Vec<u64>,
         ready: Ready,
     ) -> Result<(), ApplyFailure> {
-        let Ready { lane, turn, ticket } = ready;
+        let Ready {
+            lane,
+            turn,
+            taker,
+            next_pos,
+            ticket,
+        } = ready;
         // Lane 0's view of the publisher is the one in effect.
         let wm = Arc::clone(&self.wm);
         let expected = self.next_expected;
@@ -284,22 +453,21 @@ impl Applier {
         target.turn = Some(turn);
         target.gate_ticket = Some(ticket);
         target.queued.push_back((*meta, Arc::clone(body), wm));
-        target.turn_fused = false;
         let r = target.queue_fast(meta, body).await;
         target.turn = None;
         target.gate_ticket = None;
-        let (op, fused) = (target.turn_op, target.turn_fused);
         r?;
         self.next_expected = meta.end_lsn;
         if let Some(l) = self.lanes.as_mut() {
-            l.pred = if fused {
-                Pred::Unlocked { lane }
-            } else {
-                Pred::Locked {
-                    lane,
-                    key: turn.own,
-                    op,
-                }
+            let t = &mut l.tokens[lane];
+            t.held = Some(next_pos);
+            t.taker = Some(meta.end_lsn);
+            t.last_sent = meta.end_lsn;
+            l.pred = Pred::Locked {
+                lane,
+                key: turn.own,
+                token: (turn.token.0, turn.token.1),
+                taker,
             };
             l.sched.assign(lane, meta.end_lsn, keys);
         }
@@ -372,6 +540,7 @@ impl Applier {
                 end = end.max(committed_end(s.pipe.as_ref(), s.last_applied));
             }
             l.sched.retire(end);
+            l.committed = l.committed.max(end);
         }
     }
 
@@ -403,12 +572,6 @@ impl Applier {
         }
     }
 
-    /// Whether lane `l` has read the reply to statement `op` (the lock a
-    /// transaction takes there): only then may another lane wait for it.
-    fn lock_answered(&mut self, l: usize, op: u64) -> bool {
-        self.lane(l).pipe.as_ref().is_none_or(|p| p.answered(op))
-    }
-
     /// Statements in flight on this session alone.
     pub(super) fn in_flight_here(&self) -> usize {
         self.pipe.as_ref().map_or(0, Pipeline::in_flight)
@@ -435,15 +598,48 @@ impl Applier {
 
     /// Waits until nothing is in flight on lanes 1..; their committed
     /// transactions are lane 0's to report.
+    ///
+    /// Reads whichever lane answers first, lane 0 included, not one lane
+    /// after another: a lane may wait in the server for a token of a lane
+    /// that failed and is idle, and only reading that failure lets go of
+    /// it (`lanes_failure`).
     pub(super) async fn settle_side_lanes(&mut self) -> Result<(), ApplyFailure> {
-        let Some(l) = self.lanes.as_mut() else {
+        if self.lanes.is_none() {
             return Ok(());
-        };
-        for s in &mut l.side {
-            s.settle(0).await?;
+        }
+        while self.in_flight_lanes() > 0 {
+            self.settle_next_lane().await?;
         }
         self.gather_side_done();
         Ok(())
+    }
+
+    /// Every lane lets go of its tokens, whatever failed before on it
+    /// (module docs), and takes a fresh one at its next use.
+    async fn release_tokens(&mut self) {
+        let mut sessions: Vec<&mut Applier> = Vec::new();
+        let Some(l) = self.lanes.as_mut() else {
+            return;
+        };
+        for t in &mut l.tokens {
+            t.held = None;
+        }
+        l.pred = Pred::Unlocked { lane: 0 };
+        sessions.extend(l.side.iter_mut());
+        for a in sessions {
+            a.release_own_tokens().await;
+        }
+        self.release_own_tokens().await;
+    }
+
+    async fn release_own_tokens(&mut self) {
+        let stmt = self.lane_release.clone();
+        let op = super::fast::control_op(super::pipeline::OpKind::Control, TxnMeta::streaming(0));
+        if let Some(p) = self.pipe.as_mut()
+            && let Err(e) = p.push_after_failure(&stmt, op).await
+        {
+            tracing::debug!(error = %e, "apply lane: letting go of its tokens");
+        }
     }
 
     /// Moves the side lanes' finished transactions to lane 0's list.
@@ -469,6 +665,7 @@ impl Applier {
     /// or rolled back with it), and hands every uncommitted transaction to
     /// lane 0, which applies them again one by one in order (`recover`).
     pub(super) async fn lanes_failure(&mut self, f: ApplyFailure) -> Result<(), ApplyFailure> {
+        self.release_tokens().await;
         let mut first = f;
         if let Some(l) = self.lanes.as_mut() {
             for s in &mut l.side {
@@ -499,8 +696,10 @@ impl Applier {
             .make_contiguous()
             .sort_by_key(|(m, _, _)| m.end_lsn);
         // A deadlock between lanes is a dependency no fingerprint showed:
-        // applied alone, the transactions cannot meet it again.
-        if first.sqlstate.as_deref() == Some("40P01") {
+        // applied alone, the transactions cannot meet it again. A lock
+        // waited for longer than a lane may (`LANE_LOCK_TIMEOUT`) is
+        // waited for there without a limit.
+        if matches!(first.sqlstate.as_deref(), Some("40P01" | "55P03")) {
             first.conflict = true;
         }
         self.resolve_failure_alone(first).await

@@ -270,10 +270,6 @@ pub struct Pipeline {
     /// The gate (`gate.rs`), held shared by every queued transaction (by
     /// end LSN) until its commit's reply is read or the pipeline drained.
     guards: VecDeque<(mm_proto::Lsn, super::gate::Shared)>,
-    /// Statements pushed and replies read, ever: an apply lane waits for
-    /// another lane's statement by its number (`lanes.rs`).
-    pushed: u64,
-    answered: u64,
     /// `settle` returned a failure and the pipeline was not drained since:
     /// the replies after it must not be read as successes (a COMMIT of an
     /// aborted transaction answers like one).
@@ -294,8 +290,6 @@ impl Pipeline {
             in_place: 0,
             done: VecDeque::new(),
             guards: VecDeque::new(),
-            pushed: 0,
-            answered: 0,
             failed: false,
         }
     }
@@ -320,11 +314,9 @@ impl Pipeline {
     /// batching writes: for apply lanes, whose sessions wait in the server
     /// for each other's commits. A lane's COMMIT left in this buffer while
     /// the agent waits for another lane's reply, and that lane waits for
-    /// the COMMIT, would never end. Today the dispatcher also reads a
-    /// transaction's lock reply before another lane may wait for it
-    /// (`lanes.rs`), and that wait writes everything queued here, the
-    /// COMMIT included; this keeps the invariant without relying on it.
-    /// Replies are still read one Sync per batch.
+    /// the COMMIT, would never end; so would a lane's token (`lanes.rs`)
+    /// that the transaction left in the buffer lets go of. Replies are
+    /// still read one Sync per batch.
     pub fn eager(mut self) -> Self {
         if let Some(raw) = self.raw.as_mut() {
             raw.get_mut().eager = true;
@@ -441,16 +433,6 @@ impl Pipeline {
         raw.session.query(text, &[]).await.map_err(raw_err(None))
     }
 
-    /// The number the next pushed statement gets.
-    pub fn pushed(&self) -> u64 {
-        self.pushed
-    }
-
-    /// Whether the reply to statement number `op` has been read.
-    pub fn answered(&self, op: u64) -> bool {
-        self.answered > op
-    }
-
     pub fn failed(&self) -> bool {
         self.failed
     }
@@ -495,7 +477,6 @@ impl Pipeline {
         meta: OpMeta,
     ) -> Result<(), ApplyFailure> {
         self.rows_in_flight += meta.rows;
-        self.pushed += 1;
         if self.raw.is_some() {
             self.push_raw(stmt, &params, meta).await?;
         } else {
@@ -510,6 +491,26 @@ impl Pipeline {
             }
         }
         Ok(())
+    }
+
+    /// Queues `stmt` (no parameters) to run whatever failed before it:
+    /// on the pipelined session after a Sync (the server skips to one
+    /// after an error), and written at once. Lanes let go of their tokens
+    /// with it (`lanes.rs`), which another lane may be waiting for while
+    /// this one is idle after a failure. Not bounded by the window: this
+    /// must not wait for replies.
+    pub async fn push_after_failure(
+        &mut self,
+        stmt: &Stmt,
+        meta: OpMeta,
+    ) -> Result<(), ApplyFailure> {
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return self.push_client(stmt, Vec::new(), meta);
+        };
+        raw.session.sync().await.map_err(raw_err(None))?;
+        raw.exec(&stmt.0.name, &stmt.0.text, &[], meta)?;
+        self.count = raw.ops.len();
+        raw.session.send_all().await.map_err(raw_err(None))
     }
 
     fn push_client(
@@ -581,7 +582,6 @@ impl Pipeline {
             };
             raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
             raw.exec(BLOCK[1], &commit_text, &[], commit)?;
-            self.pushed += 2;
         } else {
             raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
         }
@@ -635,7 +635,6 @@ impl Pipeline {
             let Some((meta, res)) = next else {
                 break;
             };
-            self.answered += 1;
             self.rows_in_flight = self.rows_in_flight.saturating_sub(meta.rows);
             match res {
                 Ok(n) if meta.kind == OpKind::OrphanCheck => {
@@ -738,7 +737,6 @@ impl Pipeline {
                 raw.broken = Some(why);
             }
         }
-        self.answered = self.pushed;
         self.failed = false;
         self.guards.clear();
         self.count = 0;

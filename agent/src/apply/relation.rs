@@ -55,9 +55,9 @@ pub struct LocalRelation {
     pub fks: Option<Arc<super::fk::ForeignKeys>>,
     /// Prepared orphan checks, by (as child, constraint index).
     pub fk_stmts: HashMap<(bool, usize), Stmt>,
-    /// Single-row INSERT: [inside a transaction, a whole transaction]
-    /// (`sql::Commit`).
-    pub insert: [Option<Stmt>; 2],
+    /// Single-row INSERT: [inside a transaction, a whole transaction, a
+    /// whole transaction in an apply lane] (`sql::Commit`).
+    pub insert: [Option<Stmt>; 3],
     /// Multi-row INSERTs of `batch_sizes` rows (fixed per relation: its width).
     pub insert_batch: [Option<Stmt>; 2],
     /// Keyed by (columns left out of SET, columns left out of the row match).
@@ -249,7 +249,7 @@ impl LocalRelation {
                 .map_err(|e| ApplyFailure::new(Some(&display), e.message))?,
             fk_stmts: HashMap::new(),
             remote,
-            insert: [None, None],
+            insert: [None, None, None],
             insert_batch: [None, None],
             update: HashMap::new(),
             delete: HashMap::new(),

@@ -277,30 +277,89 @@ pub enum Commit {
     /// implicit transaction: one statement and one protocol round instead of
     /// BEGIN, change, progress, COMMIT. Single-row transactions are the
     /// common OLTP case and the apply backend is the bottleneck there.
-    Fused { first: usize },
+    Fused { first: usize, lane: bool },
 }
+
+/// Parameters a fused statement in an apply lane takes after the progress
+/// guard's (`lane_params` in `fast.rs`): the lock of its own, as (class,
+/// key); the lane's token class and the two positions it takes and
+/// releases; the position and key of the transaction before it, which it
+/// waits for (`lanes.rs`).
+pub const LANE_PARAMS: usize = 7;
+
+/// How long a transaction in an apply lane waits for any lock before it
+/// fails, and is applied again alone, without a limit (`lanes.rs`: a
+/// lane's token can be left held by a lane idle after a failure).
+pub const LANE_LOCK_TIMEOUT: &str = "5s";
+
+/// A lane transaction's first statement (`lanes.rs`): limits its lock
+/// waits, takes its own lock `($1, $2)`, then its lane's token for the
+/// next transaction `($3, $4)`, then lets go of its own token `($3, $5)`.
+/// Session-level tokens outlive the transaction; the order makes sure a
+/// waiter that got the token finds the lock taken.
+pub fn lane_turn() -> String {
+    format!(
+        "SELECT pg_catalog.set_config('lock_timeout', '{LANE_LOCK_TIMEOUT}', true), \
+         pg_catalog.pg_advisory_xact_lock($1::int4, $2::int4), \
+         pg_catalog.pg_advisory_lock($3::int4, $4::int4), \
+         pg_catalog.pg_advisory_unlock($3::int4, $5::int4)"
+    )
+}
+
+/// Waits for the transaction before, in another lane: its lane's token
+/// `($1, $2)` (held until it took its lock), then its lock `($3, $4)`
+/// (held until it ended). Shared: several may wait for one.
+pub const LANE_WAIT: &str = "SELECT pg_catalog.pg_advisory_xact_lock_shared($1::int4, $2::int4), \
+     pg_catalog.pg_advisory_xact_lock_shared($3::int4, $4::int4)";
+
+/// A lane's token at its first position, and after a failure: the session
+/// lets go of every token first.
+pub const LANE_TOKEN: &str =
+    "SELECT pg_catalog.pg_advisory_unlock_all(), pg_catalog.pg_advisory_lock($1::int4, $2::int4)";
+
+/// Lets go of every token of the session (lanes' failure path).
+pub const LANE_RELEASE: &str = "SELECT pg_catalog.pg_advisory_unlock_all()";
 
 /// The progress guard as a CTE named `mm_p`, params `$first..$first+3`:
 /// origin, the previous transaction's end, this one's end, its commit
 /// timestamp. Inlined rather than `mm.advance_progress()`: no function
 /// call per transaction (plpgsql or SQL, either costs the apply backend a
 /// executor setup per call; see `mm.advance_progress` for the rule).
-fn progress_cte(first: usize) -> String {
+///
+/// In a lane (`lane`) the statement's snapshot predates the commit of the
+/// transaction before it, which it waited for in the statement itself:
+/// matched on that snapshot, `remote_lsn = prev` would not find the row.
+/// The UPDATE then matches the origin alone, reaches the newest version
+/// through READ COMMITTED's recheck (waiting for an uncommitted one), and
+/// `RETURNING OLD` says whether that version was the previous end.
+fn progress_cte(first: usize, lane: bool) -> String {
     let (o, prev, new, ts) = (first, first + 1, first + 2, first + 3);
+    let (cond, ret) = if lane {
+        (
+            String::new(),
+            format!("OLD.remote_lsn = ${prev}::pg_lsn AS mm_ok"),
+        )
+    } else {
+        (format!(" AND remote_lsn = ${prev}::pg_lsn"), "1".to_owned())
+    };
     format!(
         "mm_p AS (UPDATE mm.apply_progress SET remote_lsn = ${new}::pg_lsn, \
          remote_commit_ts = ${ts}::timestamptz, applied_txns = applied_txns + 1 \
-         WHERE origin = ${o}::text AND remote_lsn = ${prev}::pg_lsn RETURNING 1)"
+         WHERE origin = ${o}::text{cond} RETURNING {ret})"
     )
 }
 
 /// The guard's check (`mm.progress_one`: exactly one progress row moved,
 /// else `mm_progress`, read as MM003) and the commit's origin timestamp.
-fn progress_cols(first: usize) -> String {
+fn progress_cols(first: usize, lane: bool) -> String {
+    let moved = if lane {
+        "COALESCE((SELECT 1::bigint FROM mm_p WHERE mm_p.mm_ok), 0)".to_owned()
+    } else {
+        rows_of_unique("mm_p")
+    };
     format!(
-        "{}::mm.progress_one, \
+        "{moved}::mm.progress_one, \
          pg_catalog.pg_replication_origin_xact_setup('0/0', ${}::timestamptz)",
-        rows_of_unique("mm_p"),
         first + 3
     )
 }
@@ -317,7 +376,11 @@ fn rows_of_unique(cte: &str) -> String {
 
 /// A transaction's progress record on its own (params `$1..$4`).
 pub fn advance_progress() -> String {
-    format!("WITH {} SELECT {}", progress_cte(1), progress_cols(1))
+    format!(
+        "WITH {} SELECT {}",
+        progress_cte(1, false),
+        progress_cols(1, false)
+    )
 }
 
 /// The final SELECT of a CTE-wrapped row statement: fails (`mm.one_row`)
@@ -339,14 +402,34 @@ fn checked_select(cte: &str, loc: &Locator, commit: Commit) -> String {
 /// The SELECT ending a CTE-wrapped statement, returning `cols`; fused, the
 /// progress CTE joins the WITH list and its check columns follow `cols`
 /// (evaluated in order: the statement's own work first).
+///
+/// In a lane, the statement first takes its turn (`LANE_TURN`), around the
+/// first column so that column stays the statement's own result, and waits
+/// for the transaction before (`LANE_WAIT`) after its own work: two lanes'
+/// row changes run at once, their commits one after the other.
 fn final_select(cols: &str, commit: Commit) -> String {
     match commit {
         Commit::Later => format!(" SELECT {cols}"),
-        Commit::Fused { first } => format!(
+        Commit::Fused { first, lane: false } => format!(
             ", {} SELECT {cols}, {}",
-            progress_cte(first),
-            progress_cols(first)
+            progress_cte(first, false),
+            progress_cols(first, false)
         ),
+        Commit::Fused { first, lane: true } => {
+            let p = |k: usize| format!("${}::int4", first + PROGRESS_PARAMS + k);
+            let (class, own, tok, next, cur, prev_pos, prev_key) =
+                (p(0), p(1), p(2), p(3), p(4), p(5), p(6));
+            format!(
+                ", {} SELECT CASE WHEN pg_catalog.set_config('lock_timeout', '{LANE_LOCK_TIMEOUT}', true) IS NULL THEN NULL \
+                 WHEN pg_catalog.pg_advisory_xact_lock({class}, {own}) IS NULL THEN NULL \
+                 WHEN pg_catalog.pg_advisory_lock({tok}, {next}) IS NULL THEN NULL \
+                 WHEN pg_catalog.pg_advisory_unlock({tok}, {cur}) IS NULL THEN NULL ELSE {cols} END, \
+                 pg_catalog.pg_advisory_xact_lock_shared({tok}, {prev_pos}), \
+                 pg_catalog.pg_advisory_xact_lock_shared({class}, {prev_key}), {}",
+                progress_cte(first, true),
+                progress_cols(first, true)
+            )
+        }
     }
 }
 
@@ -676,10 +759,12 @@ mod tests {
              tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('id', d.\"id\") FROM d ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
              SELECT count(*)::mm.one_row FROM d"
         );
+        let fused_update =
+            |lane| fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7, lane });
         // A transaction's only change also records its progress, and still
         // fails unless it changed exactly one row.
         assert_eq!(
-            fast_update(&t, &["v"], &key, 1, Commit::Fused { first: 7 }),
+            fused_update(false),
             "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid[], $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text AND remote_lsn = $8::pg_lsn RETURNING 1) SELECT COALESCE((SELECT 1::bigint FROM u), 0)::mm.one_row, COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
         );
@@ -690,7 +775,10 @@ mod tests {
                 1,
                 42,
                 None,
-                Commit::Fused { first: 6 }
+                Commit::Fused {
+                    first: 6,
+                    lane: false
+                }
             ),
             "WITH d AS (DELETE FROM \"public\".\"acc\" WHERE ctid = (SELECT ctid FROM \"public\".\"acc\" WHERE \"a\" IS NOT DISTINCT FROM $1 LIMIT 1 FOR UPDATE) \
              AND CASE WHEN mm.routine(xmin, $2::oid[], $3::timestamptz, $4::oid[], $5::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
@@ -704,7 +792,10 @@ mod tests {
                 1,
                 42,
                 None,
-                Commit::Fused { first: 3 }
+                Commit::Fused {
+                    first: 3,
+                    lane: false
+                }
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
@@ -720,12 +811,30 @@ mod tests {
                 1,
                 42,
                 Some(&["id"]),
-                Commit::Fused { first: 3 }
+                Commit::Fused {
+                    first: 3,
+                    lane: false
+                }
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE VALUES ($1::integer) RETURNING \"id\"), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
              SELECT mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz), \
              COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
+        );
+        // In a lane: the turn around the first column, the wait for the
+        // one before after it, and the guard on the newest progress.
+        assert_eq!(
+            fused_update(true),
+            "WITH u AS (UPDATE \"public\".\"acc\" SET \"v\" = $1 WHERE \"id\" = $2 AND CASE WHEN mm.routine(xmin, $3::oid[], $4::timestamptz, $5::oid[], $6::timestamptz[]) THEN true ELSE mm.conflict() END RETURNING 1), \
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $9::pg_lsn, remote_commit_ts = $10::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $7::text RETURNING OLD.remote_lsn = $8::pg_lsn AS mm_ok) \
+             SELECT CASE WHEN pg_catalog.set_config('lock_timeout', '5s', true) IS NULL THEN NULL \
+             WHEN pg_catalog.pg_advisory_xact_lock($11::int4, $12::int4) IS NULL THEN NULL \
+             WHEN pg_catalog.pg_advisory_lock($13::int4, $14::int4) IS NULL THEN NULL \
+             WHEN pg_catalog.pg_advisory_unlock($13::int4, $15::int4) IS NULL THEN NULL \
+             ELSE COALESCE((SELECT 1::bigint FROM u), 0)::mm.one_row END, \
+             pg_catalog.pg_advisory_xact_lock_shared($13::int4, $16::int4), \
+             pg_catalog.pg_advisory_xact_lock_shared($11::int4, $17::int4), \
+             COALESCE((SELECT 1::bigint FROM mm_p WHERE mm_p.mm_ok), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(

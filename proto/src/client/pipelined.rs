@@ -445,6 +445,14 @@ impl PipelinedSession {
         self.write().await
     }
 
+    /// Ends the batch now: a Sync after what was sent, and everything
+    /// written. After an error the server skips to the next Sync; a
+    /// statement that must run whatever failed before it (apply lanes
+    /// letting go of their locks) goes after this.
+    pub async fn sync(&mut self) -> Result<(), ClientError> {
+        self.sync_and_send().await
+    }
+
     async fn write(&mut self) -> Result<(), ClientError> {
         self.conn.flush().await?;
         self.queued_since = None;
