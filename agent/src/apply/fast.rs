@@ -685,7 +685,7 @@ pub(super) fn control_op(kind: OpKind, txn: TxnMeta) -> OpMeta {
 }
 
 /// Appends the progress parameters of a one-statement transaction (and, in
-/// a lane, its turn's: `Turn::fused_params`) after a row statement's own,
+/// a lane, its turn's: `lanes::Turn::fused_params`) after a row statement's own,
 /// and says where they start.
 pub(super) fn commit_at(params: &mut Vec<Param>, progress: Option<Vec<Param>>) -> Commit {
     match progress {

@@ -96,9 +96,17 @@ struct Ready {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Turn {
     pub own: (i32, i32),
-    /// (token class, the position it lets go of, the one it takes).
-    pub token: (i32, i32, i32),
+    pub token: TokenKeys,
     pub prev: Option<Wait>,
+}
+
+/// A lane's token keys for one transaction: their class (first half), the
+/// position it lets go of and the one it takes (second halves).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TokenKeys {
+    pub class: i32,
+    pub held: i32,
+    pub next: i32,
 }
 
 /// The transaction before, in another lane: its lane's token, its lock.
@@ -109,14 +117,15 @@ pub(super) struct Wait {
 }
 
 impl Turn {
-    /// `sql::LANE_TURN`'s parameters.
+    /// `sql::lane_turn`'s parameters, also the first of a fused
+    /// statement's lane parameters.
     pub fn turn_params(&self) -> [Param; 5] {
         [
             Param::int4(self.own.0),
             Param::int4(self.own.1),
-            Param::int4(self.token.0),
-            Param::int4(self.token.2),
-            Param::int4(self.token.1),
+            Param::int4(self.token.class),
+            Param::int4(self.token.next),
+            Param::int4(self.token.held),
         ]
     }
 
@@ -132,22 +141,17 @@ impl Turn {
         })
     }
 
-    /// A fused statement's (`sql::LANE_PARAMS`). With nothing to wait for,
-    /// it waits for locks it holds itself, which is granted at once.
-    pub fn fused_params(&self) -> [Param; super::sql::LANE_PARAMS] {
+    /// A fused statement's (`sql::LANE_PARAMS`): the turn's, then the
+    /// second halves of what it waits for. With nothing to wait for, it
+    /// waits for locks it holds itself, which is granted at once.
+    pub fn fused_params(&self) -> Vec<Param> {
         let (token, lock) = match self.prev {
             Some(w) => (w.token.1, w.lock.1),
-            None => (self.token.2, self.own.1),
+            None => (self.token.next, self.own.1),
         };
-        [
-            Param::int4(self.own.0),
-            Param::int4(self.own.1),
-            Param::int4(self.token.0),
-            Param::int4(self.token.2),
-            Param::int4(self.token.1),
-            Param::int4(token),
-            Param::int4(lock),
-        ]
+        let mut p = self.turn_params().to_vec();
+        p.extend([Param::int4(token), Param::int4(lock)]);
+        p
     }
 }
 
@@ -388,7 +392,7 @@ impl Applier {
         &mut self,
         lane: usize,
         meta: &TxnMeta,
-    ) -> Result<((i32, i32, i32), Option<Lsn>, u32), ApplyFailure> {
+    ) -> Result<(TokenKeys, Option<Lsn>, u32), ApplyFailure> {
         let Some(l) = self.lanes.as_mut() else {
             return Err(ApplyFailure::new(None, "apply lanes vanished"));
         };
@@ -421,11 +425,12 @@ impl Applier {
             t.taker = None;
         }
         t.held = Some(pos);
-        Ok((
-            (class, token_key(lane, pos), token_key(lane, next)),
-            t.taker,
-            next,
-        ))
+        let keys = TokenKeys {
+            class,
+            held: token_key(lane, pos),
+            next: token_key(lane, next),
+        };
+        Ok((keys, t.taker, next))
     }
 
     /// Sends `meta` whole to its lane: it is in that lane's queue from
@@ -466,7 +471,7 @@ impl Applier {
             l.pred = Pred::Locked {
                 lane,
                 key: turn.own,
-                token: (turn.token.0, turn.token.1),
+                token: (turn.token.class, turn.token.held),
                 taker,
             };
             l.sched.assign(lane, meta.end_lsn, keys);
@@ -617,7 +622,6 @@ impl Applier {
     /// Every lane lets go of its tokens, whatever failed before on it
     /// (module docs), and takes a fresh one at its next use.
     async fn release_tokens(&mut self) {
-        let mut sessions: Vec<&mut Applier> = Vec::new();
         let Some(l) = self.lanes.as_mut() else {
             return;
         };
@@ -625,8 +629,7 @@ impl Applier {
             t.held = None;
         }
         l.pred = Pred::Unlocked { lane: 0 };
-        sessions.extend(l.side.iter_mut());
-        for a in sessions {
+        for a in &mut l.side {
             a.release_own_tokens().await;
         }
         self.release_own_tokens().await;
@@ -756,4 +759,49 @@ fn unique_keys(
         keys.push(fingerprint(rel.remote.oid, &vals));
     }
     Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turn(prev: Option<Wait>) -> Turn {
+        Turn {
+            own: (7, 100),
+            token: TokenKeys {
+                class: 9,
+                held: token_key(1, 4),
+                next: token_key(1, 5),
+            },
+            prev,
+        }
+    }
+
+    #[test]
+    fn a_fused_statement_gets_the_turn_then_what_it_waits_for() {
+        let dbg = |p: &[Param]| format!("{p:?}");
+        let t = turn(Some(Wait {
+            token: (9, token_key(0, 3)),
+            lock: (7, 99),
+        }));
+        let fused = t.fused_params();
+        assert_eq!(fused.len(), super::super::sql::LANE_PARAMS);
+        assert_eq!(dbg(&fused[..5]), dbg(&t.turn_params()));
+        assert_eq!(
+            dbg(&fused[5..]),
+            dbg(&[Param::int4(token_key(0, 3)), Param::int4(99)])
+        );
+        // Nothing to wait for: its own token and lock, granted at once.
+        let alone = turn(None).fused_params();
+        assert_eq!(
+            dbg(&alone[5..]),
+            dbg(&[Param::int4(token_key(1, 5)), Param::int4(100)])
+        );
+    }
+
+    #[test]
+    fn token_keys_keep_lanes_apart_and_wrap_positions() {
+        assert_ne!(token_key(0, 1), token_key(1, 1));
+        assert_eq!(token_key(2, 1 << 24), token_key(2, 0));
+    }
 }

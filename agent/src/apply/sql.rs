@@ -281,10 +281,10 @@ pub enum Commit {
 }
 
 /// Parameters a fused statement in an apply lane takes after the progress
-/// guard's (`lane_params` in `fast.rs`): the lock of its own, as (class,
-/// key); the lane's token class and the two positions it takes and
-/// releases; the position and key of the transaction before it, which it
-/// waits for (`lanes.rs`).
+/// guard's (`lanes::Turn::fused_params`): `lane_turn`'s five (its own lock
+/// as class and key, the lane's token class, the position it takes and
+/// the one it lets go of), then the token position and lock key of the
+/// transaction before it, which it waits for.
 pub const LANE_PARAMS: usize = 7;
 
 /// How long a transaction in an apply lane waits for any lock before it
@@ -403,7 +403,7 @@ fn checked_select(cte: &str, loc: &Locator, commit: Commit) -> String {
 /// progress CTE joins the WITH list and its check columns follow `cols`
 /// (evaluated in order: the statement's own work first).
 ///
-/// In a lane, the statement first takes its turn (`LANE_TURN`), around the
+/// In a lane, the statement first takes its turn (`lane_turn`), around the
 /// first column so that column stays the statement's own result, and waits
 /// for the transaction before (`LANE_WAIT`) after its own work: two lanes'
 /// row changes run at once, their commits one after the other.
