@@ -124,6 +124,11 @@ impl Reconciler {
 
     async fn reconcile(&mut self, state: &ClusterState) {
         let me = &self.local.name;
+        // Whom a grouped apply must wait for (`Watermarks::may_group`):
+        // every node, whatever its state, as long as it is in the cluster.
+        self.local
+            .watermarks
+            .set_members(state.nodes.values().map(|n| n.name.clone()).collect());
         let self_member = !self.fenced
             && state
                 .node_by_name(me)

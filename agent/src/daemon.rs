@@ -176,6 +176,7 @@ pub async fn run_with(cfg: AgentConfig, registry: ResolverRegistry) -> anyhow::R
         data_dir: cfg.node.data_dir.clone(),
         synchronous_commit: cfg.replication.synchronous_commit.as_str().to_owned(),
         apply_lanes: cfg.replication.apply_lanes as usize,
+        group_transactions: cfg.replication.group_transactions as usize,
         status: Arc::clone(&status),
         resolvers: Arc::new(resolvers),
         watermarks: Arc::clone(&watermarks),

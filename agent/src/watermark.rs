@@ -88,6 +88,9 @@ pub struct Watermarks {
     effective: Mutex<BTreeMap<String, BTreeMap<String, DateTime<Utc>>>>,
     /// Wakes the announcer when `applied` moves.
     moved: tokio::sync::Notify,
+    /// Every node of the cluster as Raft last said, this one included;
+    /// None until it has (`may_group`).
+    members: Mutex<Option<Vec<String>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -126,6 +129,49 @@ impl Watermarks {
 
     pub fn set_effective(&self, peer: &str, a: BTreeMap<String, DateTime<Utc>>) {
         lock(&self.effective).insert(peer.to_owned(), a);
+    }
+
+    /// The cluster's nodes, from Raft's state (`cluster.rs`).
+    pub fn set_members(&self, nodes: Vec<String>) {
+        *lock(&self.members) = Some(nodes);
+    }
+
+    /// Whether transactions from `peer` committed up to `ts` may be applied
+    /// here as one local transaction (`apply/group.rs`), whose commit then
+    /// stamps every row it writes with `ts` instead of its own
+    /// transaction's older timestamp. Only changes from a third node that
+    /// reach this node later ever compare against that stamp (the
+    /// publisher's own are ordered; this node's writes are not checked
+    /// here). They judge the same by either stamp when, for every third
+    /// node X:
+    ///
+    /// - everything X committed up to `ts` (plus the order margin) is
+    ///   applied here, so what X sends later is stamped after `ts`, as it
+    ///   is after the true one; and
+    /// - X's latest announcement applied here says X had applied the
+    ///   publisher's commits up to `ts` (plus the margin): what X sends
+    ///   later counts as routine over either stamp, as `mm.routine`
+    ///   compares them (the margin: `Guard::params`).
+    ///
+    /// Unknown membership, or a third node never heard from: no.
+    pub fn may_group(&self, peer: &str, ts: DateTime<Utc>) -> bool {
+        let members = lock(&self.members);
+        let Some(members) = members.as_ref() else {
+            return false;
+        };
+        let need = ts + ORDER_MARGIN;
+        let applied = lock(&self.applied);
+        let eff = lock(&self.effective);
+        members
+            .iter()
+            .filter(|x| **x != peer && **x != self.local)
+            .all(|x| {
+                applied.get(x).is_some_and(|a| *a > need)
+                    && eff
+                        .get(x)
+                        .and_then(|m| m.get(peer))
+                        .is_some_and(|w| *w > need)
+            })
     }
 
     pub fn forget(&self, peer: &str) {
@@ -349,6 +395,32 @@ mod tests {
         let cut = wm.purge_cutoffs(&peers);
         assert_eq!(cut.get("b"), Some(&(t(3) - PURGE_MARGIN)));
         assert!(!cut.contains_key("a"));
+    }
+
+    #[test]
+    fn grouping_waits_for_membership_and_every_third_node() {
+        let wm = Watermarks::new("a");
+        // Membership unknown: never.
+        assert!(!wm.may_group("b", t(10)));
+        // Two nodes: nothing else can reach a row the group wrote.
+        wm.set_members(vec!["a".to_owned(), "b".to_owned()]);
+        assert!(wm.may_group("b", t(10)));
+        // A third node, never heard from: no.
+        wm.set_members(vec!["a".to_owned(), "b".to_owned(), "c".to_owned()]);
+        assert!(!wm.may_group("b", t(10)));
+        // c's commits are applied here past the group, but c has not said
+        // it saw b's: its later changes could be judged differently.
+        wm.applied("c", t(20));
+        assert!(!wm.may_group("b", t(10)));
+        wm.set_effective("c", [("b".to_owned(), t(20))].into());
+        assert!(wm.may_group("b", t(10)));
+        // Within the order margin of either: no.
+        let inside = t(20) - ORDER_MARGIN;
+        assert!(!wm.may_group("b", inside));
+        // c saw b's commits, but c's own are not applied here that far.
+        wm.set_effective("c", [("b".to_owned(), t(40))].into());
+        assert!(!wm.may_group("b", t(30)));
+        assert!(wm.may_group("b", t(18)));
     }
 
     #[test]

@@ -87,6 +87,14 @@ pub struct ReplicationSection {
     /// agent applies on one session per peer whatever the value, and warns
     /// at start when it is above 1 (docs/ARCHITECTURE.md, "Apply throughput").
     pub apply_lanes: u32,
+    /// `replication.group_transactions`, 1..=1000, default 1: how many
+    /// small remote transactions a stream that is behind may apply as one
+    /// local transaction (the agent's `apply/group.rs`). Above 1, rows such
+    /// a group writes carry its last transaction's commit timestamp rather
+    /// than each their own; conflict decisions stay the same (the agent
+    /// groups only when they provably do), row versions then differ from
+    /// the origin's by up to the group's span.
+    pub group_transactions: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

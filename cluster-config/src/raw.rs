@@ -69,6 +69,8 @@ pub(crate) struct RawReplication {
     /// An integer in TOML, a string from the environment.
     #[serde(default)]
     pub apply_lanes: Option<IntOrString>,
+    #[serde(default)]
+    pub group_transactions: Option<IntOrString>,
 }
 
 /// A number as TOML writes it or as an environment variable carries it.

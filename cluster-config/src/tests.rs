@@ -337,6 +337,29 @@ fn schemas_rules() {
 }
 
 #[test]
+fn group_transactions_values() {
+    let c = AgentConfig::from_toml_str(BASE).unwrap();
+    assert_eq!(c.replication.group_transactions, 1);
+    let c = AgentConfig::from_toml_str(&format!(
+        "{BASE}\n[replication]\ngroup_transactions = 100\n"
+    ))
+    .unwrap();
+    assert_eq!(c.replication.group_transactions, 100);
+    let c = AgentConfig::from_toml_str_with_env(
+        BASE,
+        env(&[("MM_REPLICATION__GROUP_TRANSACTIONS", "1000")]),
+    )
+    .unwrap();
+    assert_eq!(c.replication.group_transactions, 1000);
+    for bad in ["0", "1001", "-5", "\"many\""] {
+        let e = err_of(&format!(
+            "{BASE}\n[replication]\ngroup_transactions = {bad}\n"
+        ));
+        assert_invalid(&e, "replication.group_transactions", bad.trim_matches('"'));
+    }
+}
+
+#[test]
 fn apply_lanes_values() {
     assert_eq!(
         AgentConfig::from_toml_str(BASE)

@@ -194,19 +194,34 @@ impl Checker<'_> {
         }
     }
 
-    fn apply_lanes(&self, value: Option<crate::raw::IntOrString>) -> Result<u32, ConfigError> {
-        let key = "replication.apply_lanes";
+    /// An integer key from `min` to `max`, `default` when absent.
+    fn int_in(
+        &self,
+        key: &str,
+        value: Option<crate::raw::IntOrString>,
+        (min, max, default): (i64, i64, u32),
+    ) -> Result<u32, ConfigError> {
         let (text, n) = match value {
-            None => return Ok(1),
+            None => return Ok(default),
             Some(crate::raw::IntOrString::Int(n)) => (n.to_string(), Some(n)),
             Some(crate::raw::IntOrString::Str(s)) => {
                 let n = s.trim().parse::<i64>().ok();
                 (s, n)
             }
         };
-        match n {
-            Some(n @ 1..=64) => Ok(n as u32),
-            _ => Err(self.invalid(key, &text, "must be an integer from 1 to 64")),
+        match n.filter(|n| (min..=max).contains(n)) {
+            Some(n) => u32::try_from(n).map_err(|_| {
+                self.invalid(
+                    key,
+                    &text,
+                    format!("must be an integer from {min} to {max}"),
+                )
+            }),
+            None => Err(self.invalid(
+                key,
+                &text,
+                format!("must be an integer from {min} to {max}"),
+            )),
         }
     }
 
@@ -316,7 +331,16 @@ pub(crate) fn to_agent_config(
     let replication = ReplicationSection {
         schemas: c.schemas(raw.replication.schemas)?,
         synchronous_commit: c.sync_commit(raw.replication.synchronous_commit)?,
-        apply_lanes: c.apply_lanes(raw.replication.apply_lanes)?,
+        apply_lanes: c.int_in(
+            "replication.apply_lanes",
+            raw.replication.apply_lanes,
+            (1, 64, 1),
+        )?,
+        group_transactions: c.int_in(
+            "replication.group_transactions",
+            raw.replication.group_transactions,
+            (1, 1000, 1),
+        )?,
     };
 
     let resolver = c.resolver(

@@ -31,6 +31,7 @@ fn example_config_loads_as_shipped() {
     assert_eq!(c.api.tls_cert, None);
     assert_eq!(c.replication.schemas, vec!["public".to_owned()]);
     assert_eq!(c.replication.synchronous_commit, SyncCommit::Off);
+    assert_eq!(c.replication.group_transactions, 1);
     assert_eq!(c.conflicts.resolver, "last_writer_wins");
     assert!(c.conflicts.tables.is_empty());
 }
@@ -54,7 +55,7 @@ fn example_config_loads_with_every_optional_key() {
         .join("\n")
         // TLS, once uncommented, requires an https advertise URL.
         .replace("advertise = \"http://", "advertise = \"https://");
-    assert_eq!(uncommented, 8, "optional keys in the example:\n{full}");
+    assert_eq!(uncommented, 10, "optional keys in the example:\n{full}");
     let c = AgentConfig::from_toml_str(&full).expect("the example with every key loads");
     assert_eq!(c.postgres.password_file, Some("/etc/mm/pgpass".into()));
     assert_eq!(c.api.tls_cert, Some("/etc/mm/tls/cert.pem".into()));
@@ -62,6 +63,8 @@ fn example_config_loads_with_every_optional_key() {
     assert_eq!(c.api.tls_ca, Some("/etc/mm/tls/ca.pem".into()));
     assert_eq!(c.replication.schemas, vec!["public".to_owned()]);
     assert_eq!(c.replication.synchronous_commit, SyncCommit::Off);
+    assert_eq!(c.replication.apply_lanes, 1);
+    assert_eq!(c.replication.group_transactions, 100);
     assert_eq!(c.conflicts.resolver, "last_writer_wins");
     assert_eq!(
         c.conflicts.resolver_for("public", "accounts"),

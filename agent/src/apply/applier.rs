@@ -208,6 +208,8 @@ pub struct ApplyContext {
     pub applied: Arc<crate::watermark::Watermarks>,
     /// Shared by every stream into this node (`gate.rs`).
     pub gate: super::gate::Gate,
+    /// Transactions per group at most (`group.rs`); 1: never grouped.
+    pub group_transactions: usize,
 }
 
 pub struct Applier {
@@ -246,6 +248,10 @@ pub struct Applier {
     /// The progress guard and COMMIT, prepared once: every transaction
     /// ends with them, on the fast and the careful path.
     pub(super) advance: Stmt,
+    /// The progress record of a group of transactions (`group.rs`).
+    pub(super) advance_group: Stmt,
+    /// Transactions held to be applied as one local transaction.
+    pub(super) group: super::group::Group,
     pub(super) commit: Stmt,
     /// Names of statements on the pipelined session (`pipeline.rs`).
     pub(super) stmt_names: StmtNames,
@@ -437,6 +443,7 @@ impl Applier {
             // commit the remote commit timestamp through the origin
             // (schema.rs).
             &sql::advance_progress(),
+            &sql::advance_group_progress(),
         ] {
             let prepared = client.prepare(text).await.map_err(pg)?;
             control.push(Stmt::prepared(text, prepared, stmt_names.next()));
@@ -449,7 +456,8 @@ impl Applier {
             lane_token,
             lane_release,
             advance,
-        ]: [Stmt; 7] = control
+            advance_group,
+        ]: [Stmt; 8] = control
             .try_into()
             .map_err(|_| ApplyFailure::new(None, "internal: control statements"))?;
         let wal_positions = client.prepare(WAL_POSITIONS).await.map_err(pg)?;
@@ -513,6 +521,8 @@ impl Applier {
             relations: HashMap::new(),
             begin,
             advance,
+            advance_group,
+            group: super::group::Group::default(),
             commit,
             wal_positions,
             last_applied: start,
@@ -761,6 +771,17 @@ impl Applier {
         &mut self,
         rel: mm_proto::pgoutput::Relation,
     ) -> Result<(), ApplyFailure> {
+        // Held transactions are mapped with the description they came under.
+        self.close_group().await?;
+        self.load_relation(rel).await
+    }
+
+    /// A relation description met while applying: never sends a held
+    /// group, which must follow every transaction being applied now.
+    pub(super) async fn load_relation(
+        &mut self,
+        rel: mm_proto::pgoutput::Relation,
+    ) -> Result<(), ApplyFailure> {
         let local = LocalRelation::resolve(&self.client, rel).await?;
         self.relations.insert(local.remote.oid, local);
         Ok(())
@@ -777,7 +798,19 @@ impl Applier {
             if self.apply_in_lanes(meta, &body).await? {
                 return Ok(());
             }
+        } else if self.hold_in_group(meta, &body) {
+            return self.close_full_group().await;
         }
+        self.close_group().await?;
+        self.apply_alone(meta, body).await
+    }
+
+    /// `apply`, for a transaction that is its own local transaction.
+    pub(super) async fn apply_alone(
+        &mut self,
+        meta: &TxnMeta,
+        body: TxnBody,
+    ) -> Result<(), ApplyFailure> {
         self.queued
             .push_back((*meta, Arc::clone(&body), Arc::clone(&self.wm)));
         let hot = match self.streak {
@@ -894,17 +927,28 @@ impl Applier {
     }
 
     /// Waits for the next reply (for an idle stream: keeps results flowing).
+    /// A group held stays held (`group.rs`): it grows while the session is
+    /// busy answering, and the stream sends it before the session idles.
     pub async fn settle_next(&mut self) -> Result<(), ApplyFailure> {
         if self.lanes.is_some() {
             return self.settle_next_lane().await;
         }
-        let keep = self.in_flight().saturating_sub(1);
+        let keep = self.sent_in_flight().saturating_sub(1);
         self.settle(keep).await
     }
 
     /// Statements in flight, on every lane.
-    pub fn in_flight(&self) -> usize {
+    /// Statements sent and not answered (a held group aside).
+    pub fn sent_in_flight(&self) -> usize {
         self.pipe.as_ref().map_or(0, Pipeline::in_flight) + self.in_flight_lanes()
+    }
+
+    /// A group held and not yet sent counts as one: its transactions are
+    /// not applied.
+    pub fn in_flight(&self) -> usize {
+        self.pipe.as_ref().map_or(0, Pipeline::in_flight)
+            + self.in_flight_lanes()
+            + usize::from(self.group_open())
     }
 
     /// See `Pipeline::wants_more`; true when nothing is in flight.

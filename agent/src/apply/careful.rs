@@ -167,7 +167,7 @@ impl Applier {
                     fk_checks.extend(super::fk::checks_for(self.rel(*relation_oid)?, &msg));
                 }
                 match msg {
-                    Message::Relation(r) => self.relation(r).await?,
+                    Message::Relation(r) => self.load_relation(r).await?,
                     Message::Insert(i) => self.careful_insert(meta, i, &mut out).await?,
                     Message::Update(u) => self.careful_update(meta, u, &mut out).await?,
                     Message::Delete(d) => self.careful_delete(meta, d, &mut out).await?,

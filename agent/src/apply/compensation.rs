@@ -103,7 +103,7 @@ impl Applier {
         let oid = msg.relation.oid;
         if self.rel(oid).is_err() {
             let r = msg.relation.to_relation().map_err(bad)?;
-            self.relation(r).await?;
+            self.load_relation(r).await?;
         }
         let rel = self.rel(oid)?;
         let Locator::Key(names) = &rel.locator else {

@@ -21,8 +21,9 @@ use super::{ApplyFailure, Param};
 /// Rows per multi-row INSERT for runs of inserts into one table: large
 /// statements first, then small ones, the rest row by row (`batch_sizes`).
 /// Every statement costs the backend its setup and the insert's re-check
-/// call, so fewer, larger statements win.
-pub(super) const INSERT_BATCHES: [usize; 2] = [1000, 100];
+/// call, so fewer, larger statements win. The small size is for groups of
+/// single-row transactions sent before they are full (`group.rs`).
+pub(super) const INSERT_BATCHES: [usize; 3] = [1000, 100, 10];
 
 /// PostgreSQL's limit on bind parameters per statement.
 pub(super) const MAX_PARAMS: usize = 65535;
@@ -87,7 +88,7 @@ impl Applier {
                     // Catalog lookups need replies before we can go on; they
                     // are rare (first use, or a schema change), so settle first.
                     pipe.settle(0).await?;
-                    self.relation(r).await?;
+                    self.load_relation(r).await?;
                 }
                 Message::Insert(i) => {
                     // Consecutive inserts into one table go out as multi-row
@@ -722,7 +723,7 @@ pub(super) async fn push_row(
 
 /// `INSERT_BATCHES` for a table of `width` columns, within the parameter
 /// limit (a size below 2 is not used).
-pub(super) fn batch_sizes(width: usize) -> [usize; 2] {
+pub(super) fn batch_sizes(width: usize) -> [usize; 3] {
     let most = (MAX_PARAMS - sql::INSERT_EXTRA_PARAMS) / width.max(1);
     INSERT_BATCHES.map(|n| n.min(most))
 }
@@ -733,12 +734,12 @@ mod tests {
 
     #[test]
     fn insert_batches_stay_within_the_parameter_limit() {
-        assert_eq!(batch_sizes(3), [1000, 100]);
+        assert_eq!(batch_sizes(3), [1000, 100, 10]);
         // 65534 params for the rows: 200 columns fit 327 rows.
-        assert_eq!(batch_sizes(200), [327, 100]);
-        assert_eq!(batch_sizes(1000), [65, 65]);
+        assert_eq!(batch_sizes(200), [327, 100, 10]);
+        assert_eq!(batch_sizes(1000), [65, 65, 10]);
         // Too wide for two rows: row by row (sizes below 2 are not used).
-        assert_eq!(batch_sizes(40000), [1, 1]);
+        assert_eq!(batch_sizes(40000), [1, 1, 1]);
         for w in [1, 7, 66, 655, 656, 1600] {
             for n in batch_sizes(w) {
                 assert!(

@@ -531,7 +531,7 @@ impl Applier {
                 continue;
             }
             let remote = remote.clone();
-            self.lane(lane).relation(remote).await?;
+            self.lane(lane).load_relation(remote).await?;
         }
         Ok(())
     }

@@ -28,6 +28,7 @@ mod early;
 mod fast;
 mod fk;
 mod gate;
+mod group;
 mod hot;
 mod lanes;
 mod param;

@@ -274,6 +274,9 @@ pub struct Pipeline {
     /// the replies after it must not be read as successes (a COMMIT of an
     /// aborted transaction answers like one).
     failed: bool,
+    /// Transactions queued in a group (`group.rs`) before its last one:
+    /// the group's COMMIT finishes each of them too.
+    grouped: VecDeque<TxnMeta>,
 }
 
 impl Pipeline {
@@ -291,7 +294,14 @@ impl Pipeline {
             done: VecDeque::new(),
             guards: VecDeque::new(),
             failed: false,
+            grouped: VecDeque::new(),
         }
+    }
+
+    /// `txn` commits with the next COMMIT queued after it, that of a later
+    /// transaction (`group.rs`): done when that one is.
+    pub fn grouped(&mut self, txn: TxnMeta) {
+        self.grouped.push_back(txn);
     }
 
     /// Applies on `session` from now on (one Sync per batch, see the module
@@ -680,6 +690,14 @@ impl Pipeline {
                         meta.kind,
                         OpKind::Insert | OpKind::Update | OpKind::UpdateInPlace | OpKind::Delete
                     ) && f.signal.is_some();
+                    // Inside a group (`group.rs`) the statement may be
+                    // several transactions' (merged inserts), and an error
+                    // must name the one that failed: its transactions are
+                    // applied again one at a time (`recover`), where it
+                    // fails alone, under its own commit LSN.
+                    if !self.grouped.is_empty() && f.sqlstate.is_some() {
+                        f.conflict = true;
+                    }
                     self.rows = 0;
                     self.logged.clear();
                     self.in_place = 0;
@@ -694,6 +712,21 @@ impl Pipeline {
     /// The transaction whose commit just succeeded is done.
     fn finish(&mut self, txn: TxnMeta) {
         self.release(txn.end_lsn);
+        // A group's transactions before its last: each is done (status
+        // and wait-sync count transactions); its rows and conflicts are
+        // reported with the last.
+        while let Some(m) = self.grouped.front().filter(|m| m.end_lsn < txn.end_lsn) {
+            let meta = *m;
+            self.grouped.pop_front();
+            self.done.push_back(Done {
+                meta,
+                rows: 0,
+                conflicts: Vec::new(),
+                routine: 0,
+                rolled_back: false,
+                in_place: 0,
+            });
+        }
         self.done.push_back(Done {
             meta: txn,
             rows: std::mem::take(&mut self.rows),
@@ -739,6 +772,7 @@ impl Pipeline {
         }
         self.failed = false;
         self.guards.clear();
+        self.grouped.clear();
         self.count = 0;
         self.rows_in_flight = 0;
         self.rows = 0;

@@ -93,6 +93,9 @@ impl Applier {
     /// in the same order, each once.
     pub async fn recover(&mut self, failure: ApplyFailure) -> Result<(), ApplyFailure> {
         debug_assert!(failure.conflict);
+        // A group held, not sent, follows every transaction recovered here
+        // (commit order): set aside, not sent before them.
+        let held = std::mem::take(&mut self.group);
         let mut pending = self.roll_back_pipeline().await?;
         if let Some(t) = failure.txn
             && pending
@@ -102,26 +105,46 @@ impl Applier {
             tracing::debug!(failed = %t.commit_lsn, "conflict reported behind the first uncommitted transaction");
         }
         let latest = Arc::clone(&self.wm);
-        // The first is the one that met the conflict; the others are applied
+        // The one that met the conflict goes careful; the others are applied
         // one at a time: with conflicts dense, queuing them all again would
         // roll them all back again at the next one. Those on a key that just
         // conflicted go to the careful path without a fast attempt, or stay
         // pipelined when they settle their conflict in place (`hot.rs`).
+        // Those before it rolled back with it only because they shared its
+        // local transaction (`group.rs`): one at a time, fast.
         // Any conflict met on the way rolls back everything uncommitted
-        // again; the first of it, the one that met it, goes careful.
-        let mut first = true;
+        // again; the one that met it goes careful.
+        // After a streak of them without a conflict, the rest is grouped
+        // again (`group.rs`): a backlog rolled back behind one conflict
+        // (up to the pipeline's window of groups) is not applied one round
+        // trip per transaction.
+        let mut careful_at = met_conflict(&pending, failure.txn);
+        let mut calm = 0;
         loop {
             while let Some((m, b, w)) = pending.pop_front() {
                 self.wm = Arc::clone(&w);
+                if careful_at.is_none()
+                    && calm >= CONFLICT_STREAK
+                    && self.hot_route(&m, &b).is_none()
+                    && self.may_hold(&m, &b)
+                {
+                    self.close_full_group().await?;
+                    continue;
+                }
+                // What is held goes first: commit order.
+                self.close_group().await?;
                 self.queued.push_back((m, Arc::clone(&b), w));
-                let route = if std::mem::take(&mut first) {
-                    Some(Redo::Careful { rolled_back: true })
-                } else {
-                    match self.hot_route(&m, &b) {
+                let route = match careful_at {
+                    Some(at) if at == m.end_lsn => {
+                        careful_at = None;
+                        Some(Redo::Careful { rolled_back: true })
+                    }
+                    Some(_) => Some(Redo::OneAtATime),
+                    None => match self.hot_route(&m, &b) {
                         Some(HotRoute::Careful) => Some(Redo::Careful { rolled_back: false }),
                         Some(HotRoute::InPlace) => None,
                         None => Some(Redo::OneAtATime),
-                    }
+                    },
                 };
                 let r = match route {
                     // Pipelined: settled with the next one that is not.
@@ -143,27 +166,32 @@ impl Applier {
                     },
                 };
                 match r {
+                    Ok(()) if careful_at.is_none() => calm += 1,
                     Ok(()) => {}
                     Err(f) if f.conflict => {
                         let mut again = self.roll_back_pipeline().await?;
                         again.extend(pending);
                         pending = again;
-                        first = true;
+                        careful_at = met_conflict(&pending, f.txn);
+                        calm = 0;
                     }
                     Err(f) => return Err(f),
                 }
             }
+            self.close_group().await?;
             match self.settle(0).await {
                 Ok(()) => break,
                 Err(f) if f.conflict => {
                     pending = self.roll_back_pipeline().await?;
-                    first = true;
+                    careful_at = met_conflict(&pending, f.txn);
+                    calm = 0;
                 }
                 Err(f) => return Err(f),
             }
         }
         self.wm = latest;
         self.streak = CONFLICT_STREAK;
+        self.group = held;
         Ok(())
     }
 
@@ -204,6 +232,8 @@ impl Applier {
     /// Waits until everything queued is answered; conflicts met on the way
     /// are resolved (which queues transactions again, hence the loop).
     pub(super) async fn settle_all(&mut self) -> Result<(), ApplyFailure> {
+        // Everything queued means the transactions held in a group too.
+        self.close_group().await?;
         if self.lanes.is_some() {
             let r = match self.settle_side_lanes().await {
                 Ok(()) => self.settle(0).await,
@@ -231,4 +261,17 @@ impl Applier {
             }
         }
     }
+}
+
+/// The end of the rolled-back transaction that met a conflict: the one the
+/// failure names when it is among them, else the first (a failure may be
+/// reported behind the transaction that caused it).
+fn met_conflict(
+    pending: &VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>,
+    failed: Option<TxnMeta>,
+) -> Option<Lsn> {
+    failed
+        .map(|t| t.end_lsn)
+        .filter(|e| pending.iter().any(|(m, _, _)| m.end_lsn == *e))
+        .or_else(|| pending.front().map(|(m, _, _)| m.end_lsn))
 }

@@ -59,7 +59,7 @@ pub struct LocalRelation {
     /// whole transaction in an apply lane] (`sql::Commit`).
     pub insert: [Option<Stmt>; 3],
     /// Multi-row INSERTs of `batch_sizes` rows (fixed per relation: its width).
-    pub insert_batch: [Option<Stmt>; 2],
+    pub insert_batch: [Option<Stmt>; 3],
     /// Keyed by (columns left out of SET, columns left out of the row match).
     /// An "unchanged TOAST" value in the new tuple is left out of SET; in a
     /// REPLICA IDENTITY FULL old tuple it is left out of the match. Each
@@ -250,7 +250,7 @@ impl LocalRelation {
             fk_stmts: HashMap::new(),
             remote,
             insert: [None, None, None],
-            insert_batch: [None, None],
+            insert_batch: [None, None, None],
             update: HashMap::new(),
             delete: HashMap::new(),
         })

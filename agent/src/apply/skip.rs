@@ -32,7 +32,7 @@ impl Applier {
                 Message::Relation(_) => {
                     pipe.settle(0).await?;
                     if let Message::Relation(r) = msg {
-                        self.relation(r).await?;
+                        self.load_relation(r).await?;
                     }
                     continue;
                 }

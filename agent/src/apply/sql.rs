@@ -333,6 +333,11 @@ pub const LANE_RELEASE: &str = "SELECT pg_catalog.pg_advisory_unlock_all()";
 /// through READ COMMITTED's recheck (waiting for an uncommitted one), and
 /// `RETURNING OLD` says whether that version was the previous end.
 fn progress_cte(first: usize, lane: bool) -> String {
+    progress_cte_of(first, lane, "1")
+}
+
+/// `progress_cte` counting `txns` applied transactions (an expression).
+fn progress_cte_of(first: usize, lane: bool, txns: &str) -> String {
     let (o, prev, new, ts) = (first, first + 1, first + 2, first + 3);
     let (cond, ret) = if lane {
         (
@@ -344,7 +349,7 @@ fn progress_cte(first: usize, lane: bool) -> String {
     };
     format!(
         "mm_p AS (UPDATE mm.apply_progress SET remote_lsn = ${new}::pg_lsn, \
-         remote_commit_ts = ${ts}::timestamptz, applied_txns = applied_txns + 1 \
+         remote_commit_ts = ${ts}::timestamptz, applied_txns = applied_txns + {txns} \
          WHERE origin = ${o}::text{cond} RETURNING {ret})"
     )
 }
@@ -379,6 +384,16 @@ pub fn advance_progress() -> String {
     format!(
         "WITH {} SELECT {}",
         progress_cte(1, false),
+        progress_cols(1, false)
+    )
+}
+
+/// A group's progress record (`group.rs`): as `advance_progress`, for the
+/// `$5` transactions it applied together.
+pub fn advance_group_progress() -> String {
+    format!(
+        "WITH {} SELECT {}",
+        progress_cte_of(1, false, "$5::int4"),
         progress_cols(1, false)
     )
 }
@@ -698,6 +713,19 @@ mod tests {
         assert_eq!(quote_ident("t"), "\"t\"");
         assert_eq!(quote_ident("we\"ird; DROP"), "\"we\"\"ird; DROP\"");
         assert_eq!(qualified("s", "T"), "\"s\".\"T\"");
+    }
+
+    #[test]
+    fn a_groups_progress_counts_its_transactions_and_keeps_the_guard() {
+        assert_eq!(
+            advance_group_progress(),
+            "WITH mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $3::pg_lsn, \
+             remote_commit_ts = $4::timestamptz, applied_txns = applied_txns + $5::int4 \
+             WHERE origin = $1::text AND remote_lsn = $2::pg_lsn RETURNING 1) \
+             SELECT COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, \
+             pg_catalog.pg_replication_origin_xact_setup('0/0', $4::timestamptz)"
+        );
+        assert!(advance_progress().contains("applied_txns = applied_txns + 1 "));
     }
 
     #[test]

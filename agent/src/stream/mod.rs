@@ -49,6 +49,9 @@ pub struct LocalNode {
     pub synchronous_commit: String,
     /// Apply sessions per stream (`replication.apply_lanes`, `apply/lanes.rs`).
     pub apply_lanes: usize,
+    /// Remote transactions a stream that is behind may apply as one local
+    /// transaction (`replication.group_transactions`, `apply/group.rs`).
+    pub group_transactions: usize,
     pub status: Arc<StatusRegistry>,
     pub resolvers: Arc<crate::conflict::TableResolvers>,
     pub watermarks: Arc<crate::watermark::Watermarks>,
@@ -208,6 +211,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
             peer_password: local.password.clone(),
             applied: Arc::clone(&local.watermarks),
             gate: local.gate.clone(),
+            group_transactions: local.group_transactions,
         },
         local.apply_lanes,
     )
@@ -283,31 +287,51 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
 
     loop {
         rx.before_next().await?;
-        let msg = tokio::select! {
-            // In this order: feedback is never starved by a busy stream, and
-            // replies are waited for only when the stream has nothing to
-            // read (or the pipeline is full). Waiting for replies is what
-            // sends the pipelined session's Sync (`apply/pipeline.rs`), so
-            // batches grow as long as messages keep coming.
-            biased;
-            _ = ticker.tick() => {
-                rx.on_tick(&mut stream).await?;
+        // A group of transactions is held while the next message is already
+        // here or the apply session is still busy with what was sent
+        // (`apply/group.rs`); before the session would go idle, it is sent.
+        let holding = rx.applier.group_open();
+        let ready = match holding && rx.applier.wants_more() {
+            true => futures_util::FutureExt::now_or_never(stream.next()),
+            false => None,
+        };
+        let msg = match ready {
+            Some(m) => m,
+            // Nothing to read and the session idle: the group goes now.
+            None if holding && rx.applier.sent_in_flight() == 0 => {
+                rx.applier
+                    .close_group()
+                    .await
+                    .map_err(|f| apply_err(&pname, None, f))?;
                 continue;
             }
-            // Never disabled with nothing in flight: the branch below then
-            // has replies to wait for.
-            m = stream.next(), if rx.applier.wants_more() => m,
-            // Replies of pipelined transactions, consumed as they come so
-            // status and wait-sync see commits promptly.
-            r = rx.applier.settle_next(), if rx.applier.in_flight() > 0 => {
-                match r {
-                    Err(f) => rx.applier.resolve_failure(f).await,
-                    r => r,
+            None => tokio::select! {
+                // In this order: feedback is never starved by a busy stream, and
+                // replies are waited for only when the stream has nothing to
+                // read (or the pipeline is full). Waiting for replies is what
+                // sends the pipelined session's Sync (`apply/pipeline.rs`), so
+                // batches grow as long as messages keep coming.
+                biased;
+                _ = ticker.tick() => {
+                    rx.on_tick(&mut stream).await?;
+                    continue;
                 }
-                .map_err(|f| apply_err(&pname, None, f))?;
-                finished(&mut rx.applier, local, &pname, &mut rx.progress);
-                continue;
-            }
+                // Never disabled with nothing in flight: the branch below then
+                // has replies to wait for.
+                m = stream.next(), if rx.applier.wants_more() => m,
+                // Replies of pipelined transactions, consumed as they come so
+                // status and wait-sync see commits promptly. A group held
+                // meanwhile stays held.
+                r = rx.applier.settle_next(), if rx.applier.in_flight() > 0 => {
+                    match r {
+                        Err(f) => rx.applier.resolve_failure(f).await,
+                        r => r,
+                    }
+                    .map_err(|f| apply_err(&pname, None, f))?;
+                    finished(&mut rx.applier, local, &pname, &mut rx.progress);
+                    continue;
+                }
+            },
         };
         let msg = match msg {
             None => return Err(StreamError::Closed { peer: pname }),
