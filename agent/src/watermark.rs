@@ -155,13 +155,13 @@ impl Watermarks {
     ///
     /// Unknown membership, or a third node never heard from: no.
     pub fn may_group(&self, peer: &str, ts: DateTime<Utc>) -> bool {
-        let members = lock(&self.members);
-        let Some(members) = members.as_ref() else {
+        // One lock at a time: `purge_cutoffs` takes two, in another order.
+        let Some(members) = lock(&self.members).clone() else {
             return false;
         };
         let need = ts + ORDER_MARGIN;
-        let applied = lock(&self.applied);
-        let eff = lock(&self.effective);
+        let applied = self.applied_snapshot();
+        let eff = lock(&self.effective).clone();
         members
             .iter()
             .filter(|x| **x != peer && **x != self.local)

@@ -188,8 +188,13 @@ impl Applier {
                 pipe.hold(last.end_lsn, guard);
                 let r = self.queue_group(&mut pipe, &txns).await;
                 self.pipe = Some(pipe);
+                // Met while queuing (a value that does not convert, a key
+                // column not sent, ...): which of the group's transactions
+                // it belongs to is only sure when each is applied alone
+                // (`recover`), which then fails naming it.
                 r.map_err(|mut f| {
                     f.txn.get_or_insert(first);
+                    f.conflict = true;
                     f
                 })
             }

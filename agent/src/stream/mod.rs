@@ -291,6 +291,13 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         // here or the apply session is still busy with what was sent
         // (`apply/group.rs`); before the session would go idle, it is sent.
         let holding = rx.applier.group_open();
+        // A group held across a long run of ready messages (a large
+        // transaction's) must not starve feedback and status; the tick
+        // sends the group (`durable_progress`).
+        if holding && futures_util::FutureExt::now_or_never(ticker.tick()).is_some() {
+            rx.on_tick(&mut stream).await?;
+            continue;
+        }
         let ready = match holding && rx.applier.wants_more() {
             true => futures_util::FutureExt::now_or_never(stream.next()),
             false => None,

@@ -63,6 +63,15 @@ impl Receiver<'_> {
         }
     }
 
+    /// Sends the transactions held in a group (`apply/group.rs`); a failure
+    /// names the transaction it belongs to, not the message that came next.
+    async fn send_group(&mut self) -> Result<(), StreamError> {
+        self.applier
+            .close_group()
+            .await
+            .map_err(|f| super::apply_err(&self.peer, None, f))
+    }
+
     /// Before the next message: a streamed transaction a conflict or
     /// failure rolled back is applied at its commit, and an announcement
     /// held for it takes effect.
@@ -204,14 +213,16 @@ impl Receiver<'_> {
                 self.on_streamed_relation(wal_start, r, &raw).await
             }
             other if self.stream_xid.is_some() => self.on_streamed_change(other, &raw).await,
-            Message::Relation(r) if self.current.is_none() => self
-                .applier
-                .relation(r)
-                .await
-                .map_err(|failure| StreamError::Local {
-                    peer: self.peer.clone(),
-                    failure: Box::new(failure),
-                }),
+            Message::Relation(r) if self.current.is_none() => {
+                self.send_group().await?;
+                self.applier
+                    .relation(r)
+                    .await
+                    .map_err(|failure| StreamError::Local {
+                        peer: self.peer.clone(),
+                        failure: Box::new(failure),
+                    })
+            }
             Message::Message(m) if self.current.is_none() && m.prefix == watermark::PREFIX => {
                 self.on_announcement(wal_start, &m.content).await
             }
@@ -400,6 +411,7 @@ impl Receiver<'_> {
                 return Ok(());
             }
         }
+        self.send_group().await?;
         self.applier
             .relation(r)
             .await
