@@ -38,7 +38,7 @@
 
 use std::sync::Arc;
 
-use mm_proto::pgoutput::{Insert, Message};
+use mm_proto::pgoutput::Message;
 
 use super::ApplyFailure;
 use super::Param;
@@ -223,43 +223,25 @@ impl Applier {
         let (first, last) = (*first, *last);
         let prev = self.next_expected;
         self.queue_begin(pipe, &first).await?;
-        // A run of inserts into one table, across transactions: (table,
-        // the transaction of its first row, rows).
-        let mut run: Option<(u32, TxnMeta, Vec<Insert>)> = None;
-        for (meta, _, msgs) in txns {
-            let guard = self.guard_params(meta);
-            for m in msgs.iter() {
-                match m {
-                    Message::Insert(i) => match run.as_mut() {
-                        Some((oid, _, rows)) if *oid == i.relation_oid => rows.push(i.clone()),
-                        _ => {
-                            if let Some((oid, t, rows)) = run.take() {
-                                self.insert_batch(pipe, t, oid, rows).await?;
-                            }
-                            run = Some((i.relation_oid, *meta, vec![i.clone()]));
-                        }
-                    },
-                    Message::Update(u) => {
-                        if let Some((oid, t, rows)) = run.take() {
-                            self.insert_batch(pipe, t, oid, rows).await?;
-                        }
-                        self.update(pipe, *meta, &guard, u.clone(), None).await?;
-                    }
-                    Message::Delete(d) => {
-                        if let Some((oid, t, rows)) = run.take() {
-                            self.insert_batch(pipe, t, oid, rows).await?;
-                        }
-                        self.delete(pipe, *meta, &guard, d.clone(), None).await?;
-                    }
-                    _ => {}
-                }
-            }
+        // Every row change, in commit order, merged into one statement per
+        // table and kind where they commute (`merge.rs`).
+        let changes: Vec<(TxnMeta, &Message)> = txns
+            .iter()
+            .flat_map(|(meta, _, msgs)| msgs.iter().map(move |m| (*meta, m)))
+            .filter(|(_, m)| super::hot::relation_of(m).is_some())
+            .collect();
+        let plan = changes
+            .iter()
+            .map(|(_, m)| self.change_of(m))
+            .collect::<Result<Vec<_>, _>>()?;
+        for batch in super::merge::plan(&plan) {
+            let batch = batch.into_iter().map(|i| changes[i]).collect();
+            self.queue_batch(pipe, batch).await?;
+        }
+        for (meta, _, _) in txns {
             if meta.end_lsn != last.end_lsn {
                 pipe.grouped(*meta);
             }
-        }
-        if let Some((oid, t, rows)) = run.take() {
-            self.insert_batch(pipe, t, oid, rows).await?;
         }
         // `progress_params` expects the progress before the first: it is.
         debug_assert_eq!(self.next_expected, prev);

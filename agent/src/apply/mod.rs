@@ -31,6 +31,7 @@ mod gate;
 mod group;
 mod hot;
 mod lanes;
+mod merge;
 mod param;
 mod pipeline;
 mod recover;

@@ -69,6 +69,8 @@ pub struct LocalRelation {
     pub update: HashMap<(Vec<bool>, Vec<bool>, Commit, bool), Stmt>,
     /// Keyed by the columns left out of the row match (FULL identity only).
     pub delete: HashMap<(Vec<bool>, Commit), Stmt>,
+    /// A group's merged statements (`merge.rs`), by class and rows.
+    pub many: HashMap<(super::merge::Class, usize), Stmt>,
 }
 
 impl LocalRelation {
@@ -253,6 +255,7 @@ impl LocalRelation {
             insert_batch: [None, None, None],
             update: HashMap::new(),
             delete: HashMap::new(),
+            many: HashMap::new(),
         })
     }
 }

@@ -586,6 +586,127 @@ pub fn fast_delete(
     }
 }
 
+/// Parameters a merged UPDATE/DELETE (`fast_update_many`,
+/// `fast_delete_many`) takes after its rows': the guard's shared ones,
+/// the publisher's local origin ids and the watermark's origin ids and
+/// timestamps (each row carries its own commit timestamp).
+pub const MANY_EXTRA_PARAMS: usize = 3;
+
+/// `mm_v (mm_1, .., mm_ts) AS (VALUES ($1::t1, .., $w::timestamptz), ..)`:
+/// a merged statement's rows, each `types` then its commit timestamp. The
+/// column names are ours, never a user's: a user's column is only ever
+/// named on the target table's alias.
+fn values_cte(types: &[&str], rows: usize) -> String {
+    let mut s = String::from("mm_v (");
+    for i in 1..=types.len() {
+        let _ = write!(s, "mm_{i}, ");
+    }
+    s.push_str("mm_ts) AS (VALUES ");
+    let mut n = 0;
+    for r in 0..rows {
+        if r > 0 {
+            s.push_str(", ");
+        }
+        s.push('(');
+        for ty in types.iter().copied().chain(std::iter::once("timestamptz")) {
+            if n % (types.len() + 1) > 0 {
+                s.push_str(", ");
+            }
+            n += 1;
+            let _ = write!(s, "${n}::{ty}");
+        }
+        s.push(')');
+    }
+    s.push(')');
+    s
+}
+
+/// `mm_t."k1" = mm_v.mm_{first} AND ..`: the target row of a merged row.
+fn key_join(key_cols: &[&str], first: usize) -> String {
+    let mut s = String::new();
+    for (i, c) in key_cols.iter().enumerate() {
+        let _ = write!(s, "mm_t.{} = mm_v.mm_{} AND ", quote_ident(c), first + i);
+    }
+    s
+}
+
+/// The guard of a merged row: `mm.routine` with the row's own commit
+/// timestamp and the shared parameters from `$first`.
+fn many_guard(first: usize) -> String {
+    format!(
+        "CASE WHEN mm.routine(mm_t.xmin, ${first}::oid[], mm_v.mm_ts, ${}::oid[], ${}::timestamptz[]) THEN true ELSE mm.conflict() END",
+        first + 1,
+        first + 2
+    )
+}
+
+/// Fails (`mm.one_row`, read as a conflict) unless `cte` changed exactly
+/// `rows` rows: a row missing or changed twice is redone one transaction
+/// at a time, where the careful path names it.
+fn all_rows(cte: &str, rows: usize) -> String {
+    format!(
+        " SELECT (CASE WHEN (SELECT count(*) FROM {cte}) = {rows} THEN 1 ELSE 0 END)::mm.one_row"
+    )
+}
+
+/// `rows` fast-path UPDATEs of one table, with distinct keys and the same
+/// columns set, in one statement (a group's, `merge.rs`): each row is
+/// changed only when `mm.routine` says its own change is routine, as
+/// `fast_update` would. Params: per row the `set_cols` values, the key
+/// values and the commit timestamp; then `MANY_EXTRA_PARAMS`.
+pub fn fast_update_many(
+    table: &str,
+    set_cols: &[&str],
+    set_types: &[&str],
+    key_cols: &[&str],
+    key_types: &[&str],
+    rows: usize,
+) -> String {
+    let types: Vec<&str> = set_types.iter().chain(key_types).copied().collect();
+    let mut set = String::new();
+    for (i, c) in set_cols.iter().enumerate() {
+        if i > 0 {
+            set.push_str(", ");
+        }
+        let _ = write!(set, "{} = mm_v.mm_{}", quote_ident(c), i + 1);
+    }
+    format!(
+        "WITH {}, u AS (UPDATE {table} AS mm_t SET {set} FROM mm_v WHERE {}{} RETURNING 1){}",
+        values_cte(&types, rows),
+        key_join(key_cols, set_cols.len() + 1),
+        many_guard(rows * (types.len() + 1) + 1),
+        all_rows("u", rows)
+    )
+}
+
+/// `rows` fast-path DELETEs of one table by distinct keys in one statement
+/// (`merge.rs`), each guarded as `fast_delete`'s, with their tombstones.
+/// Params: per row the key values and the commit timestamp; then
+/// `MANY_EXTRA_PARAMS`.
+pub fn fast_delete_many(
+    table: &str,
+    key_cols: &[&str],
+    key_types: &[&str],
+    relid: u32,
+    rows: usize,
+) -> String {
+    let ret: Vec<String> = key_cols
+        .iter()
+        .map(|c| format!("mm_t.{}", quote_ident(c)))
+        .collect();
+    let key = key_json(key_cols, |_, c| format!("d.{}", quote_ident(c)));
+    format!(
+        "WITH {}, d AS (DELETE FROM {table} AS mm_t USING mm_v WHERE {}{} RETURNING {}), \
+         tb AS (INSERT INTO mm.tombstones (relid, key) SELECT {relid}, {key} FROM d \
+         ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid){}",
+        values_cte(key_types, rows),
+        key_join(key_cols, 1),
+        many_guard(rows * (key_types.len() + 1) + 1),
+        ret.join(", "),
+        all_rows("d", rows)
+    )
+}
+
 /// Upserts the tombstone of one key (params `$1..` typed by `types`).
 pub fn tombstone_upsert(relid: u32, key_cols: &[&str], types: &[&str]) -> String {
     let key = key_json(key_cols, |i, _| format!("${}::{}", i + 1, types[i]));
@@ -863,6 +984,34 @@ mod tests {
              pg_catalog.pg_advisory_xact_lock_shared($13::int4, $16::int4), \
              pg_catalog.pg_advisory_xact_lock_shared($11::int4, $17::int4), \
              COALESCE((SELECT 1::bigint FROM mm_p WHERE mm_p.mm_ok), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $10::timestamptz)"
+        );
+        // A group's rows of one table in one statement: each its own
+        // commit timestamp, the user's names only on the target's alias.
+        assert_eq!(
+            fast_update_many(
+                &t,
+                &["mm_1", "v"],
+                &["integer", "text"],
+                &["mm_1"],
+                &["integer"],
+                2
+            ),
+            "WITH mm_v (mm_1, mm_2, mm_3, mm_ts) AS (VALUES ($1::integer, $2::text, $3::integer, $4::timestamptz), \
+             ($5::integer, $6::text, $7::integer, $8::timestamptz)), \
+             u AS (UPDATE \"public\".\"acc\" AS mm_t SET \"mm_1\" = mm_v.mm_1, \"v\" = mm_v.mm_2 FROM mm_v \
+             WHERE mm_t.\"mm_1\" = mm_v.mm_3 AND CASE WHEN mm.routine(mm_t.xmin, $9::oid[], mm_v.mm_ts, $10::oid[], $11::timestamptz[]) \
+             THEN true ELSE mm.conflict() END RETURNING 1) \
+             SELECT (CASE WHEN (SELECT count(*) FROM u) = 2 THEN 1 ELSE 0 END)::mm.one_row"
+        );
+        assert_eq!(
+            fast_delete_many(&t, &["a", "b"], &["integer", "text"], 42, 2),
+            "WITH mm_v (mm_1, mm_2, mm_ts) AS (VALUES ($1::integer, $2::text, $3::timestamptz), ($4::integer, $5::text, $6::timestamptz)), \
+             d AS (DELETE FROM \"public\".\"acc\" AS mm_t USING mm_v WHERE mm_t.\"a\" = mm_v.mm_1 AND mm_t.\"b\" = mm_v.mm_2 \
+             AND CASE WHEN mm.routine(mm_t.xmin, $7::oid[], mm_v.mm_ts, $8::oid[], $9::timestamptz[]) THEN true ELSE mm.conflict() END \
+             RETURNING mm_t.\"a\", mm_t.\"b\"), \
+             tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('a', d.\"a\", 'b', d.\"b\") FROM d \
+             ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
+             SELECT (CASE WHEN (SELECT count(*) FROM d) = 2 THEN 1 ELSE 0 END)::mm.one_row"
         );
         // A quote in a key column name stays inside the literal.
         assert_eq!(
