@@ -146,6 +146,14 @@ pub async fn run(sys: &System, shape: Shape, cfg: &BacklogConfig) -> Result<Back
         Shape::OneTxn => cfg.one_txn_rows,
         Shape::Streamed => cfg.streamed_rows,
     };
+    // Empty again for a repeated run (`--backlog-repeat`); the TRUNCATE
+    // replicates, and is settled before anything is measured.
+    let tables = match shape {
+        Shape::UpdateInsert => format!("{table}, {table}_h"),
+        _ => table.to_owned(),
+    };
+    sys.a().execute(&format!("TRUNCATE {tables}")).await?;
+    sys.settle().await?;
     if matches!(shape, Shape::Update1 | Shape::Delete1 | Shape::UpdateInsert) {
         sys.a()
             .execute(&format!(

@@ -62,6 +62,10 @@ shape. `mm-bench conflicts` = `--only 5`, `mm-bench backlog` = `--only 6`.
   --backlog-batch-rows N  rows of the 1000-row-txn shape (default 200000)
   --backlog-one-rows N rows of the one-txn shape (default 200000)
   --backlog-streamed-rows N  rows of the streamed shape (default 1000000)
+  --backlog-repeat N   runs of each shape per system (default 1), native and mm taking
+                       turns to go first; the table shows median rates and the median
+                       and range of the per-pair ratios (this machine's weather moves
+                       single runs by +-30%)
 
 Every flag has an environment default MM_BENCH_<FLAG> (MM_BENCH_ROWS, MM_BENCH_QUICK=1, ...).
 Agent binaries: MM_AGENT_BIN / MMCTL_BIN, else next to this executable.
@@ -89,6 +93,7 @@ struct Args {
     conflict_heartbeat_ms: u64,
     backlog_shapes: Vec<Shape>,
     backlog: BacklogConfig,
+    backlog_repeat: usize,
     quick: bool,
 }
 
@@ -116,6 +121,7 @@ const FLAGS: &[&str] = &[
     "backlog-batch-rows",
     "backlog-one-rows",
     "backlog-streamed-rows",
+    "backlog-repeat",
 ];
 
 /// Workload numbers by name, for `--only` and bare arguments.
@@ -212,6 +218,7 @@ fn parse_args() -> Result<Option<Args>> {
                 streamed_rows: 1_000_000,
             }
         },
+        backlog_repeat: 1,
         quick,
     };
     for (name, v) in given {
@@ -253,6 +260,7 @@ fn parse_args() -> Result<Option<Args>> {
             "backlog-batch-rows" => a.backlog.batch_rows = num()?.max(1),
             "backlog-one-rows" => a.backlog.one_txn_rows = num()?.max(1),
             "backlog-streamed-rows" => a.backlog.streamed_rows = num()?.max(1),
+            "backlog-repeat" => a.backlog_repeat = usize::try_from(num()?.max(1))?,
             "backlog-shapes" => {
                 a.backlog_shapes = v
                     .split(',')
@@ -627,20 +635,24 @@ fn print_backlog(label: &str, b: &Backlog) {
 }
 
 /// Native and mm side by side per shape; mm/native is the ratio of catch-up
-/// rates (>= 1: mm applies at least as fast).
+/// rates (>= 1: mm applies at least as fast). With several runs of a shape
+/// (`--backlog-repeat`): each system's median run, and the median and
+/// range of the ratios of the runs paired in order.
 fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
     let mut s = String::from(
         "Backlog catch-up (stream stopped, backlog committed on A, stream started; time until B has everything):\n\n\
-         | shape | rows | txns | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | shape | rows | txns | runs | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for shape in Shape::ALL {
-        let find = |l: &str| {
+        let all = |l: &str| -> Vec<Backlog> {
             runs.iter()
-                .find(|(k, b)| k == l && b.shape == shape)
+                .filter(|(k, b)| k == l && b.shape == shape)
                 .map(|(_, b)| *b)
+                .collect()
         };
-        let (n, m) = (find("native"), find("mm"));
+        let (ns, ms) = (all("native"), all("mm"));
+        let (n, m) = (median_run(&ns), median_run(&ms));
         let Some(any) = n.or(m) else { continue };
         let cell = |b: Option<Backlog>| {
             b.map_or(("-".to_owned(), "-".to_owned()), |b| {
@@ -650,21 +662,36 @@ fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
                 )
             })
         };
-        let ((ns, nr), (ms, mr)) = (cell(n), cell(m));
-        let ratio = match (n, m) {
-            (Some(n), Some(m)) => format!("{:.2}", m.rows_per_sec() / n.rows_per_sec()),
-            _ => "-".to_owned(),
+        let ((nsec, nr), (msec, mr)) = (cell(n), cell(m));
+        let mut ratios: Vec<f64> = ns
+            .iter()
+            .zip(&ms)
+            .map(|(n, m)| m.rows_per_sec() / n.rows_per_sec())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let ratio = match ratios.as_slice() {
+            [] => "-".to_owned(),
+            [r] => format!("{r:.2}"),
+            [lo, .., hi] => format!("{:.2} ({lo:.2}-{hi:.2})", ratios[ratios.len() / 2]),
         };
         let [ncpu, mcpu, rss] =
             resource_cells(n.as_ref().map(|b| &b.res), m.as_ref().map(|b| &b.res));
         s.push_str(&format!(
-            "| {} | {} | {} | {ns} | {nr} | {ms} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
+            "| {} | {} | {} | {} | {nsec} | {nr} | {msec} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
             shape.label(),
             any.rows,
-            any.txns
+            any.txns,
+            ns.len().max(ms.len()),
         ));
     }
     s
+}
+
+/// The run with the median catch-up rate (the upper one of an even count).
+fn median_run(runs: &[Backlog]) -> Option<Backlog> {
+    let mut v = runs.to_vec();
+    v.sort_by(|a, b| a.rows_per_sec().total_cmp(&b.rows_per_sec()));
+    v.get(v.len() / 2).copied()
 }
 
 fn loadavg() -> String {
@@ -739,10 +766,19 @@ async fn run(args: Args) -> Result<()> {
         if w == 6 {
             for &shape in &args.backlog_shapes {
                 println!("6. backlog catch-up: {}", shape.label());
-                for sys in &systems {
-                    let r = backlog::run(sys, shape, &args.backlog).await?;
-                    print_backlog(sys.label(), &r);
-                    backlogs.push((sys.label().to_owned(), r));
+                for turn in 0..args.backlog_repeat {
+                    // Taking turns to go first: neither system always
+                    // meets the machine warmed up by the other.
+                    let order: Vec<&System> = if turn % 2 == 0 {
+                        systems.iter().collect()
+                    } else {
+                        systems.iter().rev().collect()
+                    };
+                    for sys in order {
+                        let r = backlog::run(sys, shape, &args.backlog).await?;
+                        print_backlog(sys.label(), &r);
+                        backlogs.push((sys.label().to_owned(), r));
+                    }
                 }
             }
             continue;
