@@ -57,12 +57,24 @@ pub(crate) struct Group {
     /// The publisher's watermark they were all received under (`recover`
     /// holds transactions queued under different ones).
     wm: Option<Arc<Watermark>>,
+    /// The last group sent was full: the stream is working off a backlog.
+    last_full: bool,
 }
 
 impl Applier {
     /// Whether a group is held, not yet sent.
     pub fn group_open(&self) -> bool {
         !self.group.txns.is_empty()
+    }
+
+    /// Whether a group held while nothing is ready to read should wait a
+    /// moment for more (`stream::run`): only while working off a backlog,
+    /// where the last group filled up. The walsender is then the slower
+    /// side, and a group sent at once is small: its commit and progress
+    /// record cost the apply backend CPU the walsender needs. A stream
+    /// that keeps up sends groups of one, never full: it never waits.
+    pub fn group_may_wait(&self) -> bool {
+        self.group.last_full && self.group_full() == Some(false)
     }
 
     /// Holds `meta` in the group when it can join one (`may_hold`) and the
@@ -154,6 +166,7 @@ impl Applier {
         };
         let txns = std::mem::take(&mut self.group.txns);
         tracing::debug!(txns = txns.len(), "sending a group");
+        self.group.last_full = txns.len() >= self.ctx.group_transactions;
         // Their checks use the watermark they came under.
         let now = std::mem::replace(&mut self.wm, wm);
         let r = self.send_group(txns).await;

@@ -304,6 +304,20 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         };
         let msg = match ready {
             Some(m) => m,
+            // Nothing to read and the session idle, working off a backlog:
+            // the next message is on its way (`group_may_wait`).
+            None if holding && rx.applier.sent_in_flight() == 0 && rx.applier.group_may_wait() => {
+                match tokio::time::timeout(GROUP_WAIT, stream.next()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        rx.applier
+                            .close_group()
+                            .await
+                            .map_err(|f| apply_err(&pname, None, f))?;
+                        continue;
+                    }
+                }
+            }
             // Nothing to read and the session idle: the group goes now.
             None if holding && rx.applier.sent_in_flight() == 0 => {
                 rx.applier
@@ -363,6 +377,11 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         }
     }
 }
+
+/// How long a group held in a backlog waits for the next message before
+/// it is sent (`Applier::group_may_wait`): a few transactions' worth of the
+/// walsender's time, far below any lag a backlog already has.
+const GROUP_WAIT: Duration = Duration::from_millis(2);
 
 /// A transaction sent whole (after its commit on the publisher) is kept
 /// in memory up to this many bytes of messages, then in the spool: it must
