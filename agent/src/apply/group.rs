@@ -17,10 +17,11 @@
 //!   its transactions again, one local transaction each.
 //! - Readers see the publisher's states only: the group's commit shows
 //!   the state after its last transaction, which the publisher had.
-//! - Conflict checks are per transaction: every statement carries its own
-//!   transaction's commit timestamp and the publisher's watermark (inserts
-//!   merged across transactions carry the earliest, which only makes the
-//!   truncate check stricter). A row the group wrote before has no commit
+//! - Conflict checks are per transaction: every row carries its own
+//!   transaction's commit timestamp and the publisher's watermark into its
+//!   statement (`merge.rs` merges a group's changes per table and kind;
+//!   inserts merged across transactions carry the earliest, which only
+//!   makes the truncate check stricter). A row the group wrote before has no commit
 //!   yet, which `mm.routine` takes as routine: only the same publisher's
 //!   earlier transactions write inside the group.
 //! - Versions: the commit stamps every row the group wrote with its last
@@ -33,8 +34,9 @@
 //!
 //! A group is held in memory and sent when it is full, when a transaction
 //! that cannot join it arrives, and before the stream would wait for the
-//! publisher (`stream::run`, `close_group`): it never waits for more input,
-//! so it adds no latency to a stream that keeps up.
+//! publisher (`stream::run`, `close_group`), so it adds no latency to a
+//! stream that keeps up; only in a backlog, after a full group, it waits a
+//! moment for more (`group_may_wait`).
 
 use std::sync::Arc;
 
