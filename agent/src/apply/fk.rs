@@ -81,12 +81,12 @@ impl ForeignKeys {
                         cn.nspname::text, cc.relname::text, pn.nspname::text, pc.relname::text, \
                         ARRAY(SELECT a.attname::text FROM unnest(con.conkey) WITH ORDINALITY k(n, i) \
                               JOIN pg_catalog.pg_attribute a ON a.attrelid = con.conrelid AND a.attnum = k.n ORDER BY k.i), \
-                        ARRAY(SELECT pg_catalog.format_type(a.atttypid, NULL) FROM unnest(con.conkey) WITH ORDINALITY k(n, i) \
+                        ARRAY(SELECT pg_catalog.format_type(a.atttypid, -1) FROM unnest(con.conkey) WITH ORDINALITY k(n, i) \
                               JOIN pg_catalog.pg_attribute a ON a.attrelid = con.conrelid AND a.attnum = k.n ORDER BY k.i), \
                         ARRAY(SELECT a.attname::text FROM unnest(con.confkey) WITH ORDINALITY k(n, i) \
                               JOIN pg_catalog.pg_attribute a ON a.attrelid = con.confrelid AND a.attnum = k.n ORDER BY k.i), \
                         coalesce(mm.key_columns(con.conrelid), '{}'), \
-                        ARRAY(SELECT pg_catalog.format_type(a.atttypid, NULL) \
+                        ARRAY(SELECT pg_catalog.format_type(a.atttypid, -1) \
                               FROM unnest(coalesce(mm.key_columns(con.conrelid), '{}')) WITH ORDINALITY k(n, i) \
                               JOIN pg_catalog.pg_attribute a ON a.attrelid = con.conrelid AND a.attname = k.n ORDER BY k.i) \
                  FROM pg_catalog.pg_constraint con \

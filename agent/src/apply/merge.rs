@@ -11,8 +11,8 @@
 //! the changes one by one in commit order would. A change moves ahead of an
 //! earlier one only when the two commute: different tables, or the same
 //! table and different keys, both tables plain (`lanes_safe`: no trigger
-//! that fires on apply, no rule, not partitioned; foreign keys never reach
-//! a group). A batch holds each key at most once. What a key cannot tell
+//! that fires on apply, no rule, not partitioned; no unique index besides
+//! the key; foreign keys never reach a group). A batch holds each key at most once. What a key cannot tell
 //! apart (two spellings of one numeric, a case-insensitive collation, a
 //! unique index besides the key) shows as a row missing, a row changed
 //! twice, or a unique violation: the merged statement checks it changed
@@ -125,6 +125,14 @@ pub(super) fn plan(changes: &[Change]) -> Vec<Vec<usize>> {
     batches.into_iter().map(|b| b.changes).collect()
 }
 
+/// Whether `rel`'s changes may be reordered and merged by key: a plain
+/// table (`lanes_safe`) whose only unique index is its key. Another unique
+/// index here that the publisher lacks could let a reordered change pass
+/// where in order it would have met a collision the careful path logs.
+fn movable(rel: &LocalRelation) -> bool {
+    rel.lanes_safe && rel.unique_indexes.len() <= 1
+}
+
 /// Multi-row statement sizes for rows of `width` parameters, within the
 /// parameter limit (a size below 2 is not used).
 fn many_sizes(width: usize) -> [usize; 2] {
@@ -155,7 +163,7 @@ impl Applier {
                     .any(|c| matches!(c, ColumnValue::UnchangedToast));
                 let keyed = matches!(rel.locator, Locator::Key(_))
                     && !super::careful::key_changed(rel, u, &key);
-                let class = if !keyed || toast || self.hot.contains(fp) || !rel.lanes_safe {
+                let class = if !keyed || toast || self.hot.contains(fp) || !movable(rel) {
                     Class::Alone
                 } else {
                     Class::Update(rel.set_mask(&u.new))
@@ -166,7 +174,7 @@ impl Applier {
                 let rel = self.rel(d.relation_oid)?;
                 let (_, key) = locate(rel, Some(&d.old), None)?;
                 let keyed = matches!(rel.locator, Locator::Key(_));
-                let class = if keyed && rel.lanes_safe {
+                let class = if keyed && movable(rel) {
                     Class::Delete
                 } else {
                     Class::Alone
@@ -180,7 +188,7 @@ impl Applier {
                 ));
             }
         };
-        let movable = self.rel(oid)?.lanes_safe;
+        let movable = movable(self.rel(oid)?);
         Ok(Change {
             table: oid,
             class,

@@ -34,6 +34,9 @@ pub struct LocalRelation {
     pub relid: u32,
     /// For each remote column: the local column's type (without typmod, so
     /// assignment still checks lengths), for casts of text parameters.
+    /// Read as `format_type(oid, -1)`: with NULL, `character` and `bit`
+    /// come out bare, which a cast reads as `character(1)` / `bit(1)` and
+    /// silently cuts 'abcd' to 'a' (`bpchar` and `"bit"` do not).
     pub local_types: Vec<String>,
     /// Unique indexes usable for collision checks (plain columns, not
     /// partial), as remote column indexes; includes the key index.
@@ -137,7 +140,7 @@ impl LocalRelation {
         let replident: String = row.get(1);
         let cols = client
             .query(
-                "SELECT attname::text, pg_catalog.format_type(atttypid, NULL), attidentity = 'a' \
+                "SELECT attname::text, pg_catalog.format_type(atttypid, -1), attidentity = 'a' \
                  FROM pg_catalog.pg_attribute \
                  WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''",
                 &[&oid],
