@@ -168,7 +168,13 @@ impl Applier {
                 } else {
                     Class::Update(rel.set_mask(&u.new))
                 };
-                (u.relation_oid, class, keyed.then_some(key))
+                // The hot-key fingerprint is the planner's key too.
+                return Ok(Change {
+                    table: u.relation_oid,
+                    class,
+                    key: keyed.then_some(fp),
+                    movable: movable(rel),
+                });
             }
             Message::Delete(d) => {
                 let rel = self.rel(d.relation_oid)?;
@@ -241,8 +247,12 @@ impl Applier {
                 for (txn, m) in chunk {
                     match m {
                         Message::Update(u) => {
-                            let mask = rel.set_mask(&u.new);
-                            params.extend(tuple_params(&u.new, rel, Some(&mask))?);
+                            // One mask for the batch: its class.
+                            let mask = match &class {
+                                Class::Update(m) => Some(m.as_slice()),
+                                _ => None,
+                            };
+                            params.extend(tuple_params(&u.new, rel, mask)?);
                             params.extend(locate(rel, u.old.as_ref(), Some(&u.new))?.1);
                         }
                         Message::Delete(d) => params.extend(locate(rel, Some(&d.old), None)?.1),
