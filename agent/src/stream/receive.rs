@@ -118,6 +118,13 @@ impl Receiver<'_> {
         if let Some(open) = self.current.as_mut() {
             abandon_idle_early(&mut self.applier, &self.peer, open).await?;
         }
+        stream.set_read_batch(read_batch(
+            self.local
+                .status
+                .get(&self.peer)
+                .and_then(|s| s.publisher_lsn),
+            self.progress.received,
+        ));
         if self
             .streamed_early
             .as_ref()
@@ -484,5 +491,47 @@ impl Receiver<'_> {
             return Err(self.spool_err(e));
         }
         apply_early(&mut self.applier, &self.peer, open).await
+    }
+}
+
+/// Far behind its publisher (a backlog: a pause, a restart, a burst), the
+/// stream reads the socket in batches of `READ_BATCH` bytes instead of per
+/// message as they arrive. Draining as fast as the walsender writes woke
+/// this process once per message and made the walsender pay for each
+/// wakeup on the cores they share with the apply backend (ARCHITECTURE,
+/// "Apply throughput"). Near the end of the backlog reads go back to
+/// message by message, so a stream that keeps up sees no added latency.
+fn read_batch(publisher: Option<Lsn>, received: Lsn) -> usize {
+    match publisher {
+        Some(p) if p.0.saturating_sub(received.0) > BATCH_BEHIND => READ_BATCH,
+        _ => 0,
+    }
+}
+
+/// Behind by more than this (the publisher's WAL position, probed every
+/// second by `lag.rs`), reads are batched.
+const BATCH_BEHIND: u64 = 4 << 20;
+/// Bytes per batched read: what a 64 KiB read chunk holds.
+const READ_BATCH: usize = 32 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_are_batched_only_far_behind_a_known_publisher() {
+        let received = Lsn(100 << 20);
+        assert_eq!(read_batch(None, received), 0, "publisher position unknown");
+        assert_eq!(read_batch(Some(received), received), 0, "caught up");
+        assert_eq!(
+            read_batch(Some(Lsn(received.0 + BATCH_BEHIND)), received),
+            0
+        );
+        assert_eq!(
+            read_batch(Some(Lsn(received.0 + BATCH_BEHIND + 1)), received),
+            READ_BATCH
+        );
+        // A probe older than what was received since: not behind.
+        assert_eq!(read_batch(Some(Lsn(1)), received), 0);
     }
 }

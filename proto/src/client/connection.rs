@@ -7,9 +7,12 @@
 //! pending `read_frame` or `flush` future therefore loses nothing; the next
 //! call picks up where the previous one stopped.
 
+use crate::client::sockopt;
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use postgres_protocol::message::frontend;
@@ -35,6 +38,36 @@ const READ_CHUNK: usize = 64 * 1024;
 /// needed on a 2-core machine).
 const MIN_READ_ROOM: usize = 8 * 1024;
 
+/// How long a batched read waits for its low-water mark before it takes
+/// what is there: about what a few hundred small messages take the
+/// walsender, far below any lag worth batching for.
+const BATCH_WAIT: Duration = Duration::from_millis(1);
+
+/// The receive low-water mark (`SO_RCVLOWAT`) of a TCP connection's socket.
+struct ReadBatch {
+    /// The socket under `io`: owned by it, open as long as the connection.
+    fd: RawFd,
+    /// Bytes a read asks for; 0: batching off.
+    want: usize,
+    /// The mark is set above 1 on the socket now.
+    raised: bool,
+}
+
+impl ReadBatch {
+    /// A failure turns batching off for good: reads then go byte-wise, as
+    /// without it.
+    fn set(&mut self, peer: &str, bytes: usize) {
+        match sockopt::set_rcvlowat(self.fd, bytes.max(1)) {
+            Ok(()) => self.raised = bytes > 1,
+            Err(e) => {
+                tracing::debug!(peer, error = %e, "cannot set SO_RCVLOWAT; reads are not batched");
+                self.want = 0;
+                self.raised = false;
+            }
+        }
+    }
+}
+
 pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
@@ -42,6 +75,9 @@ pub(crate) struct Connection {
     io: Box<dyn Io>,
     rbuf: BytesMut,
     wbuf: BytesMut,
+    /// Batched reads on a TCP socket (`set_read_batch`); `None` on a Unix
+    /// socket, where the kernel has no receive low-water mark for poll.
+    batch: Option<ReadBatch>,
     /// "host:port" or the socket path, for error messages.
     pub peer: String,
     pub tls: bool,
@@ -91,8 +127,34 @@ impl Connection {
             io,
             rbuf: BytesMut::with_capacity(READ_CHUNK),
             wbuf: BytesMut::with_capacity(1024),
+            batch: None,
             peer,
             tls,
+        }
+    }
+
+    fn tcp(io: Box<dyn Io>, fd: RawFd, peer: String, tls: bool) -> Connection {
+        let mut conn = Connection::new(io, peer, tls);
+        conn.batch = Some(ReadBatch {
+            fd,
+            want: 0,
+            raised: false,
+        });
+        conn
+    }
+
+    /// Asks for reads of at least `bytes` at a time (0: every byte as it
+    /// arrives). While the mark is up, the kernel neither wakes this process
+    /// nor makes the sender pay for a wakeup until that much is buffered; a
+    /// read still returns within `BATCH_WAIT` with whatever arrived, so a
+    /// trickle (keepalives, a publisher decoding WAL it does not send) is
+    /// only delayed, never stuck. Does nothing on a Unix socket.
+    pub fn set_read_batch(&mut self, bytes: usize) {
+        if let Some(b) = self.batch.as_mut() {
+            b.want = bytes;
+            if bytes == 0 && b.raised {
+                b.set(&self.peer, 0);
+            }
         }
     }
 
@@ -111,10 +173,10 @@ impl Connection {
                     if room < need.max(MIN_READ_ROOM) {
                         self.rbuf.reserve(need.max(READ_CHUNK));
                     }
-                    let n =
-                        self.io.read_buf(&mut self.rbuf).await.map_err(|e| {
-                            ClientError::io(format!("reading from {}", self.peer), e)
-                        })?;
+                    let n = self
+                        .read_some()
+                        .await
+                        .map_err(|e| ClientError::io(format!("reading from {}", self.peer), e))?;
                     if n == 0 {
                         return Err(ClientError::io(
                             format!("reading from {}", self.peer),
@@ -127,6 +189,32 @@ impl Connection {
                 }
             }
         }
+    }
+
+    /// One read into `rbuf`. With batched reads asked for, the low-water mark
+    /// goes up before the read and down again when `BATCH_WAIT` passes
+    /// first (lowering it wakes the reader at once if anything is buffered).
+    /// Cancel-safe: bytes move into `rbuf` only in a completed read.
+    async fn read_some(&mut self) -> io::Result<usize> {
+        let Connection {
+            io,
+            rbuf,
+            batch,
+            peer,
+            ..
+        } = self;
+        if let Some(b) = batch.as_mut().filter(|b| b.want > 0) {
+            if !b.raised {
+                b.set(peer, b.want);
+            }
+            if b.raised {
+                if let Ok(r) = tokio::time::timeout(BATCH_WAIT, io.read_buf(rbuf)).await {
+                    return r;
+                }
+                b.set(peer, 0);
+            }
+        }
+        io.read_buf(rbuf).await
     }
 
     /// The next frame that is not an asynchronous message (those are
@@ -210,8 +298,9 @@ pub(crate) async fn connect_target(
             stream
                 .set_nodelay(true)
                 .map_err(|e| ClientError::io(format!("setting TCP_NODELAY on {peer}"), e))?;
+            let fd = stream.as_raw_fd();
             if config.ssl_mode == SslMode::Disable {
-                Connection::new(Box::new(stream), peer, false)
+                Connection::tcp(Box::new(stream), fd, peer, false)
             } else if negotiate_tls(&mut stream, &peer).await? {
                 let tls_config = tls::client_config(config)?;
                 let name = tls::server_name(host)?;
@@ -219,14 +308,14 @@ pub(crate) async fn connect_target(
                     .connect(name, stream)
                     .await
                     .map_err(|e| ClientError::Tls(format!("handshake with {peer}: {e}")))?;
-                Connection::new(Box::new(tls_stream), peer, true)
+                Connection::tcp(Box::new(tls_stream), fd, peer, true)
             } else if config.ssl_mode.requires_tls() {
                 return Err(ClientError::Tls(format!(
                     "{peer} does not support TLS, but sslmode={:?} requires it",
                     config.ssl_mode
                 )));
             } else {
-                Connection::new(Box::new(stream), peer, false)
+                Connection::tcp(Box::new(stream), fd, peer, false)
             }
         }
     };
@@ -348,5 +437,57 @@ mod tests {
             spread < READ_CHUNK,
             "200 small frames spread over {spread} bytes of chunks"
         );
+    }
+
+    fn frame_of(i: u8, len: usize) -> Vec<u8> {
+        let mut frame = vec![b'd'];
+        frame.extend_from_slice(&u32::try_from(len + 4).unwrap().to_be_bytes());
+        frame.extend_from_slice(&vec![i; len]);
+        frame
+    }
+
+    /// With batched reads asked for on a real TCP socket, a message
+    /// smaller than the mark still arrives (within `BATCH_WAIT`, not
+    /// never), a burst larger than it arrives whole and in order, and
+    /// turning batching off goes back to plain reads.
+    #[tokio::test]
+    async fn batched_reads_never_hold_back_a_small_message() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = TcpStream::connect(addr).await.unwrap();
+        let (mut server, _) = listener.accept().await.unwrap();
+        let fd = client.as_raw_fd();
+        let mut conn = Connection::tcp(Box::new(client), fd, "test".into(), false);
+        conn.set_read_batch(32 * 1024);
+        let patience = Duration::from_secs(5);
+
+        for i in 0..3u8 {
+            server.write_all(&frame_of(i, 10)).await.unwrap();
+            let f = tokio::time::timeout(patience, conn.read_frame())
+                .await
+                .expect("a message below the low-water mark was held back")
+                .unwrap();
+            assert_eq!((f.tag, f.body.len(), f.body[0]), (b'd', 10, i));
+        }
+        assert!(conn.batch.as_ref().is_some_and(|b| b.want > 0));
+
+        let burst: Vec<u8> = (0..200u8).flat_map(|i| frame_of(i, 1000)).collect();
+        server.write_all(&burst).await.unwrap();
+        for i in 0..200u8 {
+            let f = tokio::time::timeout(patience, conn.read_frame())
+                .await
+                .expect("a burst was held back")
+                .unwrap();
+            assert_eq!((f.body.len(), f.body[0], f.body[999]), (1000, i, i));
+        }
+
+        conn.set_read_batch(0);
+        assert!(conn.batch.as_ref().is_some_and(|b| !b.raised));
+        server.write_all(&frame_of(7, 1)).await.unwrap();
+        let f = tokio::time::timeout(patience, conn.read_frame())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.body[..], [7]);
     }
 }

@@ -15,6 +15,7 @@ mod config;
 mod connection;
 mod error;
 mod pipelined;
+mod sockopt;
 mod sql;
 mod stream;
 mod tls;

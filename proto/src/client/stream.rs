@@ -143,6 +143,14 @@ impl LogicalReplicationStream {
         self.conn.terminate().await;
     }
 
+    /// Reads at least `bytes` at a time while set (0: as they arrive); see
+    /// `Connection::set_read_batch`. For a stream far behind its publisher:
+    /// a reader that drains the socket as fast as the walsender writes is
+    /// woken, and the walsender pays for waking it, once per message.
+    pub fn set_read_batch(&mut self, bytes: usize) {
+        self.conn.set_read_batch(bytes);
+    }
+
     /// A server parameter reported at startup or since (e.g. `server_version`).
     pub fn parameter(&self, name: &str) -> Option<&str> {
         self.session.params.get(name).map(String::as_str)
