@@ -269,6 +269,64 @@ async fn streamed_transactions_are_applied_while_they_arrive() -> Result<()> {
     Ok(())
 }
 
+/// A streamed transaction's commit timestamp is not known while it arrives,
+/// so a truncate of its table stops it being applied then, unless the
+/// truncate is its publisher's own: that one committed there before any
+/// change of the transaction to the table (the TRUNCATE's lock), so it is
+/// older whatever the timestamp (`mm.insert_recheck`). Loading a table its
+/// node truncated first (a staging table) is then applied while it
+/// arrives; after a truncate from another node it is applied at its
+/// commit. Both end identical on both nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_into_a_table_its_publisher_truncated_is_applied_while_it_arrives()
+-> Result<()> {
+    mm_tests::init_tracing();
+    let opts = PgOptions::default().conf("logical_decoding_work_mem", "1MB");
+    let c = TestCluster::start_with(&["st1", "st2"], SCHEMA, opts).await?;
+    let early = |s: &serde_json::Value| s.get("early_txns").and_then(|v| v.as_u64()).unwrap_or(0);
+    let load = |from: u32| {
+        format!(
+            "INSERT INTO big SELECT g, md5(g::text) FROM generate_series({from}, {}) g",
+            from + 59_999
+        )
+    };
+    // Truncated on st2: newer than anything st1 sent, older than what it
+    // sends next, which only its commit timestamp can tell.
+    c.pg[0].execute(&load(1)).await?;
+    c.wait_sync(120).await?;
+    c.pg[1].execute("TRUNCATE big").await?;
+    c.wait_sync(120).await?;
+    let before = early(&c.stream_status("st1", "st2").await?);
+    c.pause("st1", "st2").await?;
+    c.pg[0].execute(&load(100_001)).await?;
+    c.resume("st1", "st2").await?;
+    c.wait_sync(180).await?;
+    let s = c.stream_status("st1", "st2").await?;
+    anyhow::ensure!(
+        early(&s) == before,
+        "applied while it arrived past another node's truncate: {s}"
+    );
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+
+    // Truncated on st1, the publisher: its next load goes in as it arrives.
+    c.pg[0].execute("TRUNCATE big").await?;
+    c.wait_sync(120).await?;
+    c.pause("st1", "st2").await?;
+    c.pg[0].execute(&load(200_001)).await?;
+    c.resume("st1", "st2").await?;
+    c.wait_sync(180).await?;
+    let s = c.stream_status("st1", "st2").await?;
+    anyhow::ensure!(early(&s) == before + 1, "not applied while it arrived: {s}");
+    c.assert_same("SELECT count(*), sum(id), md5(string_agg(payload, '' ORDER BY id)) FROM big")
+        .await?;
+    let n = c.pg[1]
+        .query_one_string("SELECT count(*) || ' ' || min(id) FROM big")
+        .await?;
+    anyhow::ensure!(n.as_deref() == Some("60000 200001"), "st2: {n:?}");
+    Ok(())
+}
+
 fn lsn(s: &str) -> Result<u64> {
     let (hi, lo) = s
         .split_once('/')

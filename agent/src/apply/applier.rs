@@ -41,7 +41,8 @@ impl TxnMeta {
     /// The timestamp stands at `-infinity`, which makes every fast-path
     /// check that compares it conservative: an older local version from
     /// another origin is never taken as routine (`mm.routine`), any
-    /// truncate counts as newer (`mm.insert_recheck`); such a change is
+    /// truncate but the publisher's own counts as newer
+    /// (`mm.insert_recheck`); such a change is
     /// sent to the resolver, at the commit, with the real timestamp.
     pub fn streaming(xid: u32) -> TxnMeta {
         TxnMeta {

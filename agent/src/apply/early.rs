@@ -17,7 +17,8 @@
 //! in (`TxnMeta::streaming`): no commit LSN, and a commit timestamp of
 //! `-infinity`, under which the fast path's checks only pass changes whose
 //! outcome cannot depend on the real timestamp (rows of this publisher or
-//! without history, new keys with no tombstone and no truncate). Any other
+//! without history, new keys with no tombstone and no truncate but the
+//! publisher's own, which it committed before). Any other
 //! change, and anything that fails, rolls the early part back; the
 //! transaction is then applied whole from the spool at its STREAM COMMIT,
 //! where a failure names its real commit LSN. The stream gives up early

@@ -393,11 +393,11 @@ impl Applier {
                 done += n;
                 let rel = self.rel(oid)?;
                 let display = Arc::clone(&rel.display);
-                let mut params = Vec::with_capacity(width * n + 1);
+                let mut params = Vec::with_capacity(width * n + sql::INSERT_EXTRA_PARAMS);
                 for ins in chunk {
                     params.extend(tuple_params(&ins.new, rel, None)?);
                 }
-                params.push(Param::timestamptz(txn.commit_ts.0));
+                params.extend(self.insert_extra(&txn));
                 let stmt = match &rel.insert_batch[slot] {
                     Some(s) => s.clone(),
                     None => {
@@ -426,6 +426,14 @@ impl Applier {
         Ok(())
     }
 
+    /// The parameters after an INSERT's rows (`sql::INSERT_EXTRA_PARAMS`).
+    fn insert_extra(&self, txn: &TxnMeta) -> [Param; sql::INSERT_EXTRA_PARAMS] {
+        [
+            Param::timestamptz(txn.commit_ts.0),
+            Param::oid_array(&self.peer_roidents),
+        ]
+    }
+
     /// One row; `progress` makes it the whole transaction (`Commit::Fused`).
     pub(super) async fn insert(
         &mut self,
@@ -436,7 +444,7 @@ impl Applier {
     ) -> Result<(), ApplyFailure> {
         let rel = self.rel(ins.relation_oid)?;
         let mut params = tuple_params(&ins.new, rel, None)?;
-        params.push(Param::timestamptz(txn.commit_ts.0));
+        params.extend(self.insert_extra(&txn));
         let display = Arc::clone(&rel.display);
         let commit = commit_at(&mut params, progress);
         let slot = match commit {

@@ -213,8 +213,10 @@ pub fn fast_insert(
 /// (`i` has inserted its row once it returned it), cheaper than an
 /// aggregate: single-row transactions are the backend-bound case.
 fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: usize) -> String {
-    let check =
-        |keys: &str| format!("mm.insert_recheck({relid}, {keys}, ${ts_param}::timestamptz)");
+    let origins = ts_param + 1;
+    let check = |keys: &str| {
+        format!("mm.insert_recheck({relid}, {keys}, ${ts_param}::timestamptz, ${origins}::oid[])")
+    };
     match key_cols {
         Some(keys) => {
             let key = key_json(keys, |_, c| format!("i.{}", quote_ident(c)));
@@ -241,8 +243,9 @@ fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: 
 }
 
 /// Parameters after a fast-path INSERT's row values: the remote commit
-/// timestamp its truncate check compares against.
-pub const INSERT_EXTRA_PARAMS: usize = 1;
+/// timestamp its truncate check compares against, and the publisher's
+/// origin ids, whose truncates it passes (`mm.insert_recheck`).
+pub const INSERT_EXTRA_PARAMS: usize = 2;
 
 /// A remote TRUNCATE: `mm.apply_truncate(oids, remote commit ts, cascade,
 /// restart identity)` (schema functions.sql).
@@ -889,13 +892,13 @@ mod tests {
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\", \"v\") OVERRIDING SYSTEM VALUE VALUES ($1::integer, $2::text), ($3::integer, $4::text) \
              RETURNING \"id\") \
              SELECT CASE WHEN (SELECT count(*) FROM i) < 0 THEN NULL \
-             ELSE mm.insert_recheck(42, CASE WHEN mm.has_tombstones(42) THEN ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i) END, $5::timestamptz) END"
+             ELSE mm.insert_recheck(42, CASE WHEN mm.has_tombstones(42) THEN ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i) END, $5::timestamptz, $6::oid[]) END"
         );
         // Without a key there is nothing to tombstone: the truncate check only.
         assert_eq!(
             fast_insert(&t, &["a"], &["text"], 1, 42, None, Commit::Later),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1) \
-             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END"
+             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz, $3::oid[]) END"
         );
         let key = Locator::Key(vec!["id".into()]);
         assert_eq!(
@@ -942,14 +945,14 @@ mod tests {
                 42,
                 None,
                 Commit::Fused {
-                    first: 3,
+                    first: 4,
                     lane: false
                 }
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"a\") OVERRIDING SYSTEM VALUE VALUES ($1::text) RETURNING 1), \
-             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
-             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz) END, \
-             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $6::pg_lsn, remote_commit_ts = $7::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $4::text AND remote_lsn = $5::pg_lsn RETURNING 1) \
+             SELECT CASE WHEN NOT EXISTS (SELECT FROM i) THEN NULL ELSE mm.insert_recheck(42, NULL::jsonb[], $2::timestamptz, $3::oid[]) END, \
+             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $7::timestamptz)"
         );
         // One row, fused: the re-check runs before the progress record.
         assert_eq!(
@@ -961,14 +964,14 @@ mod tests {
                 42,
                 Some(&["id"]),
                 Commit::Fused {
-                    first: 3,
+                    first: 4,
                     lane: false
                 }
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE VALUES ($1::integer) RETURNING \"id\"), \
-             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $5::pg_lsn, remote_commit_ts = $6::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $3::text AND remote_lsn = $4::pg_lsn RETURNING 1) \
-             SELECT mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz), \
-             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $6::timestamptz)"
+             mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $6::pg_lsn, remote_commit_ts = $7::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $4::text AND remote_lsn = $5::pg_lsn RETURNING 1) \
+             SELECT mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz, $3::oid[]), \
+             COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $7::timestamptz)"
         );
         // In a lane: the turn around the first column, the wait for the
         // one before after it, and the guard on the newest progress.

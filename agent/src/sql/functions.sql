@@ -298,12 +298,26 @@ $fn$;
 -- snapshot in READ COMMITTED; the body has sublinks, so it is never inlined
 -- into the caller's snapshot. One call per statement, not per row (per
 -- row, a 100-row INSERT cost 3x); SQL, not plpgsql: measurably cheaper.
+--
+-- A truncate from the publisher itself (its origins, p_origin) never
+-- counts: it was applied here, so it committed there before this change was
+-- made (the TRUNCATE's lock keeps a change to the table either before its
+-- start, and then the change's transaction commits and is sent first, or
+-- after its commit), which makes the change newer on the publisher's clock
+-- whatever its timestamp. That is what lets a streamed transaction, whose
+-- timestamp is not known yet (`-infinity`), be applied while it arrives
+-- into a table its publisher truncated before (the load-a-staging-table
+-- pattern); any other truncate still stops it.
 DROP FUNCTION IF EXISTS mm.insert_recheck(oid, jsonb);
 DROP FUNCTION IF EXISTS mm.insert_recheck(oid, jsonb[]);
-CREATE OR REPLACE FUNCTION mm.insert_recheck(p_rel oid, p_keys jsonb[], p_ts timestamptz)
+DROP FUNCTION IF EXISTS mm.insert_recheck(oid, jsonb[], timestamptz);
+CREATE OR REPLACE FUNCTION mm.insert_recheck(
+    p_rel oid, p_keys jsonb[], p_ts timestamptz, p_origin oid[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
-  SELECT CASE WHEN EXISTS (SELECT 1 FROM mm.truncates tr WHERE tr.relid = p_rel
-                             AND pg_catalog.pg_xact_commit_timestamp(tr.xmin) >= p_ts)
+  SELECT CASE WHEN EXISTS (SELECT 1 FROM mm.truncates tr,
+                             LATERAL pg_catalog.pg_xact_commit_timestamp_origin(tr.xmin) o
+                            WHERE tr.relid = p_rel AND o."timestamp" >= p_ts
+                              AND o.roident <> ALL (p_origin))
                OR (p_keys IS NOT NULL AND EXISTS (SELECT 1 FROM mm.tombstones tb
                              WHERE tb.relid = p_rel AND tb.key = ANY (p_keys)))
               THEN mm.conflict() ELSE true END
