@@ -380,10 +380,11 @@ impl Applier {
             "on" | "off" | "local" | "remote_write" | "remote_apply" => synchronous_commit,
             _ => "off",
         };
-        let settings = [
+        let mut settings = vec![
             "SET session_replication_role = replica".to_owned(),
             format!("SET synchronous_commit = {synchronous_commit}"),
         ];
+        settings.extend(super::sql::PLANNER_SETTINGS.map(str::to_owned));
         client
             .batch_execute(&settings.join("; "))
             .await

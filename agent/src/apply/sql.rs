@@ -242,6 +242,20 @@ fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: 
     }
 }
 
+/// Planner settings of every apply session, set before anything is
+/// prepared. A merged statement (`fast_update_many`, `fast_delete_many`)
+/// joins a VALUES list of up to a few hundred keys to the table, and its
+/// plan is generic: as a backlog of deletes empties a table, ANALYZE
+/// leaves it with its pages and few rows, and a hash join over a
+/// sequential scan of all of it per statement becomes cheapest in the
+/// planner's eyes (a 50k-row table at 8k rows left). One such run of the
+/// bench's single-row DELETE backlog took 4x the backend CPU. Every apply
+/// statement finds its rows by key, so nested loops over the key's index
+/// are what it needs; this leaves them no other join. Foreign-key checks
+/// and replica triggers that run in these sessions are affected as well,
+/// and they too look up by key, or run as they would with a small table.
+pub const PLANNER_SETTINGS: [&str; 2] = ["SET enable_hashjoin = off", "SET enable_mergejoin = off"];
+
 /// Parameters after a fast-path INSERT's row values: the remote commit
 /// timestamp its truncate check compares against, and the publisher's
 /// origin ids, whose truncates it passes (`mm.insert_recheck`).
