@@ -48,9 +48,16 @@ pub(super) struct Outcome {
     conflicts: Vec<(&'static str, Arc<str>)>,
     /// Conflict-log rows (relation, params of `CONFLICT_LOG_INSERT`), sent
     /// with the progress record and COMMIT in one pipelined round: nothing
-    /// waits for their replies.
+    /// waits for their replies. At most `HELD` of them (`flush_held`).
     log_rows: Vec<(Arc<str>, Vec<Param>)>,
 }
+
+/// Conflict-log rows and unread replies of deferred writes a careful
+/// transaction holds at most: each log row holds both tuples as JSON, each
+/// unread reply its statement's future, and a large transaction in
+/// conflict on every row held them all until its COMMIT (60k rows: ~210
+/// MiB of agent memory). One round trip per this many.
+const HELD: usize = 256;
 
 /// One statement of the careful transaction's last pipelined round.
 type RoundStatement<'a> =
@@ -165,6 +172,9 @@ impl Applier {
                 | Message::Delete(Delete { relation_oid, .. }) = &msg
                 {
                     fk_checks.extend(super::fk::checks_for(self.rel(*relation_oid)?, &msg));
+                }
+                if out.log_rows.len() >= HELD || self.deferred.pending() >= HELD {
+                    self.flush_held(&mut out).await?;
                 }
                 match msg {
                     Message::Relation(r) => self.load_relation(r).await?,
@@ -306,6 +316,23 @@ impl Applier {
             in_place: 0,
         });
         Ok(())
+    }
+
+    /// Writes the conflict-log rows held so far, inside the transaction,
+    /// and reads every deferred write's reply (their futures and params
+    /// are dropped only then); the first failure among them, as at COMMIT.
+    async fn flush_held(&self, out: &mut Outcome) -> Result<(), ApplyFailure> {
+        if !out.log_rows.is_empty() {
+            let log = self
+                .prepared(CONFLICT_LOG_INSERT)
+                .await
+                .map_err(|e| ApplyFailure::from_pg(None, &e))?;
+            for (rel, params) in out.log_rows.drain(..) {
+                self.deferred
+                    .send(&self.client, &log, params, Some(rel), false);
+            }
+        }
+        self.deferred.settle().await
     }
 
     /// Remembers the keys of a transaction that met a conflict (its first

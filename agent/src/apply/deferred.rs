@@ -74,6 +74,11 @@ impl Deferred {
         }
     }
 
+    /// Replies not read yet.
+    pub fn pending(&self) -> usize {
+        self.inflight.lock().map(|v| v.len()).unwrap_or(0)
+    }
+
     /// Sends the transaction's BEGIN (and what must run right after it).
     pub fn send_begin(&self, client: &Arc<Client>, stmts: &[&Statement]) {
         for s in stmts {
