@@ -220,6 +220,9 @@ pub struct Applier {
     /// Local ids of the publisher's replication origins (one per apply
     /// lane that ever ran): a version any of them wrote is the publisher's.
     pub(super) peer_roidents: Vec<u32>,
+    /// `peer_roidents` encoded once (`oid[]`): bound to every fast-path
+    /// statement's checks.
+    pub(super) peer_param: Param,
     /// Local origin ids -> node names (0 is this node).
     pub(super) origins: HashMap<u32, String>,
     /// `origins` without this node, as the ids and names parameters of
@@ -502,6 +505,7 @@ impl Applier {
             origin: origin.to_owned(),
             ctx,
             peer_roidents: Vec::new(),
+            peer_param: Param::oid_array(&[]),
             origins: HashMap::new(),
             origin_params: (Param::oid_array(&[]), Param::text_array(&[])),
             wm: Arc::new(Watermark {
@@ -621,6 +625,7 @@ impl Applier {
             .map(|(id, _)| *id)
             .collect();
         peer.sort_unstable();
+        self.peer_param = Param::oid_array(&peer);
         self.peer_roidents = peer;
         let (ids, names): (Vec<u32>, Vec<String>) = self
             .origins
@@ -713,7 +718,7 @@ impl Applier {
 
     pub(super) fn guard_params(&self, txn: &TxnMeta) -> Guard {
         Guard {
-            peers: Param::oid_array(&self.peer_roidents),
+            peers: self.peer_param.clone(),
             ts: Param::timestamptz(txn.commit_ts.0),
             wm: Arc::clone(&self.wm),
         }

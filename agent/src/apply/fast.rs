@@ -428,10 +428,7 @@ impl Applier {
 
     /// The parameters after an INSERT's rows (`sql::INSERT_EXTRA_PARAMS`).
     fn insert_extra(&self, txn: &TxnMeta) -> [Param; sql::INSERT_EXTRA_PARAMS] {
-        [
-            Param::timestamptz(txn.commit_ts.0),
-            Param::oid_array(&self.peer_roidents),
-        ]
+        [Param::timestamptz(txn.commit_ts.0), self.peer_param.clone()]
     }
 
     /// One row; `progress` makes it the whole transaction (`Commit::Fused`).
