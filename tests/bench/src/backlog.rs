@@ -163,6 +163,7 @@ pub async fn run(sys: &System, shape: Shape, cfg: &BacklogConfig) -> Result<Back
             .await?;
         sys.settle().await?;
     }
+    sys.advance_slots().await?;
     stop_stream(sys).await?;
     let a = sys.a().connect().await?;
     a.batch_execute("SET synchronous_commit = off").await?;
