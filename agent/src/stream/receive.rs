@@ -495,12 +495,14 @@ impl Receiver<'_> {
 }
 
 /// Far behind its publisher (a backlog: a pause, a restart, a burst), the
-/// stream reads the socket in batches of `READ_BATCH` bytes instead of per
-/// message as they arrive. Draining as fast as the walsender writes woke
-/// this process once per message and made the walsender pay for each
-/// wakeup on the cores they share with the apply backend (ARCHITECTURE,
-/// "Apply throughput"). Near the end of the backlog reads go back to
-/// message by message, so a stream that keeps up sees no added latency.
+/// stream reads the socket only when its receive window has closed
+/// (`READ_BATCH`, above the connection's locked receive buffer) instead of
+/// per message as they arrive. Draining as fast as the walsender writes
+/// woke this process once per message, and with the window always open the
+/// walsender sent every message as a segment of its own, on the cores it
+/// shares with the apply backend (ARCHITECTURE, "Apply throughput"). Near
+/// the end of the backlog reads go back to message by message, so a stream
+/// that keeps up sees no added latency.
 fn read_batch(publisher: Option<Lsn>, received: Lsn) -> usize {
     match publisher {
         Some(p) if p.0.saturating_sub(received.0) > BATCH_BEHIND => READ_BATCH,
@@ -511,8 +513,10 @@ fn read_batch(publisher: Option<Lsn>, received: Lsn) -> usize {
 /// Behind by more than this (the publisher's WAL position, probed every
 /// second by `lag.rs`), reads are batched.
 const BATCH_BEHIND: u64 = 4 << 20;
-/// Bytes per batched read: what a 64 KiB read chunk holds.
-const READ_BATCH: usize = 32 * 1024;
+/// The low-water mark of batched reads: above the connection's receive
+/// buffer, so the kernel wakes the reader when the window closes (or the
+/// connection's batch wait passes).
+const READ_BATCH: usize = 1 << 20;
 
 #[cfg(test)]
 mod tests {
