@@ -18,7 +18,7 @@ async fn generic_plan(
     c: &tokio_postgres::Client,
     name: &str,
     stmt: &str,
-    row: impl Fn(usize) -> String,
+    row: &dyn Fn(usize) -> String,
 ) -> Result<String> {
     c.batch_execute(&format!("PREPARE {name} AS {stmt}"))
         .await?;
@@ -32,6 +32,32 @@ async fn generic_plan(
         .await?;
     let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
     Ok(plan.join("\n"))
+}
+
+/// The key bound `sql::key_join` adds for key column `id` and VALUES
+/// column `mm_{v}`: stripped to show what a plan would be without it.
+fn bound(v: usize) -> String {
+    format!(" AND mm_t.\"id\" = ANY (ARRAY(SELECT mm_b.mm_{v} FROM mm_v AS mm_b))")
+}
+
+/// The generic plans of a merged delete and update (prepared as
+/// `{prefix}d`, `{prefix}u`), each with what it is.
+async fn merged_plans(
+    c: &tokio_postgres::Client,
+    prefix: &str,
+    (delete, del_row): (&str, &dyn Fn(usize) -> String),
+    (update, upd_row): (&str, &dyn Fn(usize) -> String),
+) -> Result<[(String, String); 2]> {
+    Ok([
+        (
+            format!("delete ({prefix}d)"),
+            generic_plan(c, &format!("{prefix}d"), delete, del_row).await?,
+        ),
+        (
+            format!("update ({prefix}u)"),
+            generic_plan(c, &format!("{prefix}u"), update, upd_row).await?,
+        ),
+    ])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -56,9 +82,8 @@ async fn merged_statements_stay_on_the_key_index_when_a_table_empties() -> Resul
     // Without the settings (and the key bound, which also keeps the hashed
     // side to the statement's keys) the planner does take the scan: what
     // this guards against is real.
-    let bound = " AND mm_t.\"id\" = ANY (ARRAY(SELECT mm_b.mm_1 FROM mm_v AS mm_b))";
-    ensure!(delete.contains(bound));
-    let plan = generic_plan(&c, "d0", &delete.replace(bound, ""), del_row).await?;
+    ensure!(delete.contains(&bound(1)));
+    let plan = generic_plan(&c, "d0", &delete.replace(&bound(1), ""), &del_row).await?;
     ensure!(
         plan.contains("Seq Scan on t"),
         "the scenario no longer tempts the planner:\n{plan}"
@@ -67,21 +92,10 @@ async fn merged_statements_stay_on_the_key_index_when_a_table_empties() -> Resul
     for s in sql::PLANNER_SETTINGS {
         c.batch_execute(s).await?;
     }
-    for (name, stmt, plan) in [
-        (
-            "d1",
-            "delete",
-            generic_plan(&c, "d1", &delete, del_row).await?,
-        ),
-        (
-            "u1",
-            "update",
-            generic_plan(&c, "u1", &update, upd_row).await?,
-        ),
-    ] {
+    for (what, plan) in merged_plans(&c, "a", (&delete, &del_row), (&update, &upd_row)).await? {
         ensure!(
             !plan.contains("Seq Scan on t") && plan.contains("Index Scan using t_pkey on t"),
-            "merged {stmt} ({name}) does not look rows up by key:\n{plan}"
+            "merged {what} does not look rows up by key:\n{plan}"
         );
     }
     Ok(())
@@ -150,37 +164,24 @@ async fn merged_statements_read_only_their_keys_when_analyze_saw_the_table_empty
     let upd_row = |i: usize| format!("1, {}, now()", 1 + i);
 
     // The scenario is real: without the bound the whole index is read.
-    let bound =
-        |v: usize| format!(" AND mm_t.\"id\" = ANY (ARRAY(SELECT mm_b.mm_{v} FROM mm_v AS mm_b))");
     ensure!(delete.contains(&bound(1)) && update.contains(&bound(2)));
-    let plan = generic_plan(&c, "q0", &delete.replace(&bound(1), ""), del_row).await?;
+    let plan = generic_plan(&c, "q0", &delete.replace(&bound(1), ""), &del_row).await?;
     ensure!(
         unbounded_index_scans(&plan) == 1,
         "without the bound the planner no longer reads the whole index:\n{plan}"
     );
 
-    for (name, stmt, plan) in [
-        (
-            "q1",
-            "delete",
-            generic_plan(&c, "q1", &delete, del_row).await?,
-        ),
-        (
-            "q2",
-            "update",
-            generic_plan(&c, "q2", &update, upd_row).await?,
-        ),
-    ] {
+    for (what, plan) in merged_plans(&c, "q", (&delete, &del_row), (&update, &upd_row)).await? {
         ensure!(
             !plan.contains("Seq Scan on t2") && unbounded_index_scans(&plan) == 0,
-            "merged {stmt} ({name}) reads more than its keys:\n{plan}"
+            "merged {what} reads more than its keys:\n{plan}"
         );
     }
     // And they still change exactly their rows.
     let n = c
         .query_one(
             &format!(
-                "EXECUTE q1({}, '{{0}}', '{{}}', '{{}}')",
+                "EXECUTE qd({}, '{{0}}', '{{}}', '{{}}')",
                 (0..ROWS).map(del_row).collect::<Vec<_>>().join(", ")
             ),
             &[],
