@@ -103,3 +103,72 @@ async fn tombstones_are_written_counted_and_purged() -> Result<()> {
     );
     Ok(())
 }
+
+/// Deletes write their tombstones with a plain INSERT (the cheap form); a
+/// key deleted again before its tombstone is purged makes that INSERT
+/// fail on the key's tombstone. The delete is then redone with the
+/// resolver, the tombstone raised to the later delete's version (as the
+/// publisher's own), and the table's deletes upsert for a while. The
+/// third node stays down throughout, so no tombstone can be purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_deleted_again_before_its_tombstone_is_purged_raises_it() -> Result<()> {
+    mm_tests::init_tracing();
+    let mut c = TestCluster::start(&["tr1", "tr2", "tr3"], SCHEMA).await?;
+    c.pg[0]
+        .execute("INSERT INTO kv SELECT g, 'v' FROM generate_series(1, 40) g")
+        .await?;
+    c.wait_sync(60).await?;
+    c.agents[2].stop()?;
+    let long = Duration::from_secs(60);
+    let client = c.pg[0].connect().await?;
+    for id in 1..=40 {
+        client
+            .batch_execute(&format!("DELETE FROM kv WHERE id = {id}"))
+            .await?;
+    }
+    c.wait_for(
+        1,
+        "SELECT count(*) FROM mm.tombstones WHERE relid = 'kv'::regclass",
+        "40",
+        long,
+    )
+    .await?;
+    // Back, and deleted again: each its own transaction.
+    for id in 1..=40 {
+        client
+            .batch_execute(&format!("INSERT INTO kv VALUES ({id}, 'again')"))
+            .await?;
+    }
+    for id in 1..=40 {
+        client
+            .batch_execute(&format!("DELETE FROM kv WHERE id = {id}"))
+            .await?;
+    }
+    client
+        .batch_execute("INSERT INTO kv VALUES (1000, 'fence')")
+        .await?;
+    c.wait_for(1, "SELECT count(*) FROM kv", "1", long).await?;
+    let versions = "SELECT key::text, pg_xact_commit_timestamp(xmin) FROM mm.tombstones \
+                    WHERE relid = 'kv'::regclass ORDER BY key::text";
+    let published = c.rows(0, versions).await?;
+    let applied = c.rows(1, versions).await?;
+    anyhow::ensure!(
+        published.len() == 40,
+        "{} tombstones on tr1",
+        published.len()
+    );
+    anyhow::ensure!(
+        applied == published,
+        "tr2's tombstones are not at the second deletes' versions:\n{applied:?}\nwant\n{published:?}"
+    );
+    let log = c.agents[1].log();
+    anyhow::ensure!(
+        log.contains("deletes upsert theirs for a while"),
+        "tr2 never met a tombstone with a plain INSERT (the path this test is for)"
+    );
+    c.agents[2].start()?;
+    c.agents[2].wait_ready(long).await?;
+    c.wait_sync(120).await?;
+    c.assert_same("SELECT id, v FROM kv ORDER BY id").await?;
+    Ok(())
+}

@@ -34,6 +34,27 @@ async fn generic_plan(
     Ok(plan.join("\n"))
 }
 
+/// The merged delete and update (`n` set by key) of 100 rows of `table`
+/// (`id bigint PRIMARY KEY, n bigint`), as a group applies them.
+async fn merged_statements(c: &tokio_postgres::Client, table: &str) -> Result<(String, String)> {
+    let relid: u32 = c
+        .query_one(&format!("SELECT '{table}'::regclass::oid"), &[])
+        .await?
+        .get(0);
+    let t = sql::qualified("public", table);
+    Ok((
+        sql::fast_delete_many(
+            &t,
+            &["id"],
+            &["bigint"],
+            relid,
+            ROWS,
+            sql::TombstoneWrite::Insert,
+        ),
+        sql::fast_update_many(&t, &["n"], &["bigint"], &["id"], &["bigint"], ROWS),
+    ))
+}
+
 /// The key bound `sql::key_join` adds for key column `id` and VALUES
 /// column `mm_{v}`: stripped to show what a plan would be without it.
 fn bound(v: usize) -> String {
@@ -72,10 +93,7 @@ async fn merged_statements_stay_on_the_key_index_when_a_table_empties() -> Resul
          SET plan_cache_mode = force_generic_plan;",
     )
     .await?;
-    let relid: u32 = c.query_one("SELECT 't'::regclass::oid", &[]).await?.get(0);
-    let table = sql::qualified("public", "t");
-    let delete = sql::fast_delete_many(&table, &["id"], &["bigint"], relid, ROWS);
-    let update = sql::fast_update_many(&table, &["n"], &["bigint"], &["id"], &["bigint"], ROWS);
+    let (delete, update) = merged_statements(&c, "t").await?;
     let del_row = |i: usize| format!("{}, now()", 46001 + i);
     let upd_row = |i: usize| format!("1, {}, now()", 46001 + i);
 
@@ -156,10 +174,7 @@ async fn merged_statements_read_only_their_keys_when_analyze_saw_the_table_empty
     for s in sql::PLANNER_SETTINGS {
         c.batch_execute(s).await?;
     }
-    let relid: u32 = c.query_one("SELECT 't2'::regclass::oid", &[]).await?.get(0);
-    let table = sql::qualified("public", "t2");
-    let delete = sql::fast_delete_many(&table, &["id"], &["bigint"], relid, ROWS);
-    let update = sql::fast_update_many(&table, &["n"], &["bigint"], &["id"], &["bigint"], ROWS);
+    let (delete, update) = merged_statements(&c, "t2").await?;
     let del_row = |i: usize| format!("{}, now()", 1 + i);
     let upd_row = |i: usize| format!("1, {}, now()", 1 + i);
 

@@ -593,7 +593,7 @@ impl Applier {
         let loc_params = params.len();
         params.extend(guard.params(false));
         let commit = commit_at(&mut params, progress);
-        let key = (match_mask, commit);
+        let key = (match_mask, commit, rel.tombstone_write());
         let stmt = match rel.delete.get(&key) {
             Some(s) => s.clone(),
             None => {
@@ -604,6 +604,7 @@ impl Applier {
                     rel.relid,
                     rel.key_names().as_deref(),
                     commit,
+                    key.2,
                 );
                 let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                 self.rel_mut(del.relation_oid)?

@@ -260,15 +260,16 @@ impl Applier {
                     }
                     params.push(Param::timestamptz(txn.commit_ts.0));
                 }
-                let stmt = match rel.many.get(&(class.clone(), n)) {
+                let tombstones = rel.tombstone_write();
+                let stmt = match rel.many.get(&(class.clone(), n, tombstones)) {
                     Some(s) => s.clone(),
                     None => {
-                        let text = many_sql(rel, &class, n);
+                        let text = many_sql(rel, &class, n, tombstones);
                         let display = Arc::clone(&rel.display);
                         let s = pipe.prepare(&self.stmt_names, &display, &text).await?;
                         self.rel_mut(oid)?
                             .many
-                            .insert((class.clone(), n), s.clone());
+                            .insert((class.clone(), n, tombstones), s.clone());
                         s
                     }
                 };
@@ -317,7 +318,12 @@ impl Applier {
 }
 
 /// The merged statement of `rows` changes of `class` into `rel`.
-fn many_sql(rel: &LocalRelation, class: &Class, rows: usize) -> String {
+fn many_sql(
+    rel: &LocalRelation,
+    class: &Class,
+    rows: usize,
+    tombstones: sql::TombstoneWrite,
+) -> String {
     let keys = rel.key_names().unwrap_or_default();
     match class {
         Class::Update(mask) => {
@@ -331,7 +337,14 @@ fn many_sql(rel: &LocalRelation, class: &Class, rows: usize) -> String {
                 .unzip();
             sql::fast_update_many(&rel.table_sql, &cols, &types, &keys, &rel.key_types(), rows)
         }
-        _ => sql::fast_delete_many(&rel.table_sql, &keys, &rel.key_types(), rel.relid, rows),
+        _ => sql::fast_delete_many(
+            &rel.table_sql,
+            &keys,
+            &rel.key_types(),
+            rel.relid,
+            rows,
+            tombstones,
+        ),
     }
 }
 

@@ -72,7 +72,17 @@ pub enum Signal {
     Conflict,
     /// 23505: the new row's key or unique value is taken.
     UniqueViolation,
+    /// 23505 on `mm.tombstones`' key: a plain tombstone INSERT
+    /// (`sql::TombstoneWrite::Insert`) met a key that has one. A conflict
+    /// like the others (redone with the resolver, which upserts), and the
+    /// table's deletes upsert for a while (`Applier::recover`). A user's
+    /// constraint of the same name read as this costs nothing more than
+    /// that: its table's deletes upsert a minute.
+    TombstoneTaken,
 }
+
+/// The name PostgreSQL gave `mm.tombstones`' primary key (0001_base.sql).
+const TOMBSTONES_KEY: &str = "tombstones_pkey";
 
 impl ApplyFailure {
     pub fn new(relation: Option<&str>, message: impl Into<String>) -> Self {
@@ -150,6 +160,7 @@ impl ApplyFailure {
                 sqlstate: Some(code.to_owned()),
                 signal: match code {
                     "MM001" => Some(Signal::Conflict),
+                    "23505" if constraint == Some(TOMBSTONES_KEY) => Some(Signal::TombstoneTaken),
                     "23505" => Some(Signal::UniqueViolation),
                     _ => None,
                 },

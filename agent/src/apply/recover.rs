@@ -8,12 +8,14 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use mm_proto::Lsn;
 use mm_proto::pgoutput::{Message, Update};
 
-use super::ApplyFailure;
 use super::applier::{Applier, TxnBody, TxnMeta, Watermark};
+use super::relation::UPSERT_TOMBSTONES_FOR;
+use super::{ApplyFailure, Signal};
 use crate::conflict::ResolverChoice;
 
 /// How `recover` applies a rolled-back transaction again, unless it stays
@@ -85,6 +87,21 @@ impl Applier {
         Ok(())
     }
 
+    /// A plain tombstone INSERT of `display`'s deletes met a key that had
+    /// one: its keys are deleted again within the purge window, and every
+    /// such meeting rolls back what is in flight, so its deletes upsert
+    /// for `UPSERT_TOMBSTONES_FOR` (every table's, when the error did not
+    /// name one).
+    fn upsert_tombstones(&mut self, display: Option<&str>) {
+        let until = Instant::now() + UPSERT_TOMBSTONES_FOR;
+        for rel in self.relations.values_mut() {
+            if display.is_none_or(|d| *rel.display == *d) {
+                tracing::debug!(relation = %rel.display, "a deleted key had a tombstone: deletes upsert theirs for a while");
+                rel.upsert_tombstones_until = Some(until);
+            }
+        }
+    }
+
     /// A fast-path statement met a conflict in a queued transaction: every
     /// transaction from that one on rolls back (the progress guard makes the
     /// later ones fail). Waits them out, applies the conflicting one with
@@ -93,6 +110,9 @@ impl Applier {
     /// in the same order, each once.
     pub async fn recover(&mut self, failure: ApplyFailure) -> Result<(), ApplyFailure> {
         debug_assert!(failure.conflict);
+        if failure.signal == Some(Signal::TombstoneTaken) {
+            self.upsert_tombstones(failure.relation.as_deref());
+        }
         // A group held, not sent, follows every transaction recovered here
         // (commit order): set aside, not sent before them.
         let held = std::mem::take(&mut self.group);

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use mm_proto::pgoutput::Relation;
 use tokio_postgres::Client;
@@ -14,7 +15,7 @@ use tokio_postgres::Client;
 use super::pipeline::Stmt;
 
 use super::ApplyFailure;
-use super::sql::{self, Commit, Locator};
+use super::sql::{self, Commit, Locator, TombstoneWrite};
 
 /// Everything needed to apply changes to one relation, plus its prepared statements.
 pub struct LocalRelation {
@@ -70,13 +71,32 @@ pub struct LocalRelation {
     /// Also keyed by how the statement commits, and whether it resolves a
     /// conflict in place (`sql::fast_update_in_place`).
     pub update: HashMap<(Vec<bool>, Vec<bool>, Commit, bool), Stmt>,
-    /// Keyed by the columns left out of the row match (FULL identity only).
-    pub delete: HashMap<(Vec<bool>, Commit), Stmt>,
-    /// A group's merged statements (`merge.rs`), by class and rows.
-    pub many: HashMap<(super::merge::Class, usize), Stmt>,
+    /// Keyed by the columns left out of the row match (FULL identity only)
+    /// and how the tombstone is written.
+    pub delete: HashMap<(Vec<bool>, Commit, TombstoneWrite), Stmt>,
+    /// A group's merged statements (`merge.rs`), by class, rows and how a
+    /// delete writes its tombstones.
+    pub many: HashMap<(super::merge::Class, usize, TombstoneWrite), Stmt>,
+    /// Until when deletes upsert their keys' tombstones: set when a plain
+    /// tombstone INSERT met a key that had one (`Applier::recover`).
+    pub upsert_tombstones_until: Option<Instant>,
 }
 
+/// How long a table's deletes upsert their tombstones after a plain
+/// INSERT of one met a key that had one: that table's keys are being
+/// deleted again within the purge window, and each such meeting rolls back
+/// everything in flight. After it, plain INSERTs are tried again.
+pub const UPSERT_TOMBSTONES_FOR: Duration = Duration::from_secs(60);
+
 impl LocalRelation {
+    /// How this table's deletes write their tombstones now.
+    pub fn tombstone_write(&self) -> TombstoneWrite {
+        match self.upsert_tombstones_until {
+            Some(until) if Instant::now() < until => TombstoneWrite::Upsert,
+            _ => TombstoneWrite::Insert,
+        }
+    }
+
     /// The key column names (`None` for REPLICA IDENTITY FULL without one).
     pub fn key_names(&self) -> Option<Vec<&str>> {
         match &self.locator {
@@ -259,6 +279,7 @@ impl LocalRelation {
             update: HashMap::new(),
             delete: HashMap::new(),
             many: HashMap::new(),
+            upsert_tombstones_until: None,
         })
     }
 }
