@@ -8,7 +8,7 @@ use crate::apply::sql::quote_ident;
 /// Numbered migrations, each applied once, in order, in its own transaction,
 /// and recorded in `mm.schema_migrations`. Append only: a released file is
 /// never edited.
-const MIGRATIONS: &[(i32, &str)] = &[
+pub const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("sql/0001_base.sql")),
     (2, include_str!("sql/0002_counters.sql")),
     (3, include_str!("sql/0003_truncates.sql")),
@@ -16,6 +16,7 @@ const MIGRATIONS: &[(i32, &str)] = &[
     (5, include_str!("sql/0005_sequence_ranges.sql")),
     (6, include_str!("sql/0006_sync.sql")),
     (7, include_str!("sql/0007_progress_guard.sql")),
+    (8, include_str!("sql/0008_tombstone_hash.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

@@ -1,11 +1,16 @@
 //! Tombstones: written for remote and local deletes (also on tables created
 //! after the agent started), visible as a count in status and /metrics, and
-//! purged once every node has applied past them.
+//! purged once every node has applied past them; found by their key's
+//! hash since schema version 8, which keeps the versions of those written
+//! before.
 
 use std::time::Duration;
 
 use anyhow::Result;
+use mm_agent::apply::{TOMBSTONES_KEY, sql};
+use mm_tests::PgNode;
 use mm_tests::cluster::TestCluster;
+use mm_tests::versions::{utc, write_under_origin};
 
 const SCHEMA: &str = "CREATE TABLE kv (id int PRIMARY KEY, v text);";
 
@@ -170,5 +175,92 @@ async fn a_key_deleted_again_before_its_tombstone_is_purged_raises_it() -> Resul
     c.agents[2].wait_ready(long).await?;
     c.wait_sync(120).await?;
     c.assert_same("SELECT id, v FROM kv ORDER BY id").await?;
+    Ok(())
+}
+
+/// Schema version 8 replaces the tombstones' primary key with a unique
+/// index that compares the key's hash first. A tombstone written before
+/// keeps its version (the xmin a table rewrite would have replaced), is
+/// found by the careful path's lookup, makes a plain INSERT of an equal
+/// key (7.0 is 7 to jsonb) fail on the index the agent reads as "this key
+/// has a tombstone", and is raised by the upsert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tombstones_written_before_schema_8_keep_their_versions() -> Result<()> {
+    mm_tests::init_tracing();
+    let pg = PgNode::start("tbv8")?;
+    let c = pg.connect().await?;
+    c.batch_execute(
+        "CREATE SCHEMA mm;
+         CREATE TABLE mm.schema_migrations (version int PRIMARY KEY,
+                                            applied_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE kv (id int PRIMARY KEY, v text);
+         SELECT pg_replication_origin_create('peer');",
+    )
+    .await?;
+    for (version, migration) in mm_agent::schema::MIGRATIONS.iter().filter(|(v, _)| *v < 8) {
+        c.batch_execute(migration).await?;
+        c.execute(
+            "INSERT INTO mm.schema_migrations (version) VALUES ($1)",
+            &[version],
+        )
+        .await?;
+    }
+    let at = "2026-01-02T03:04:05Z";
+    write_under_origin(
+        &pg,
+        "peer",
+        at,
+        "INSERT INTO mm.tombstones (relid, key) VALUES ('kv'::regclass, '{\"id\": 7}')",
+    )
+    .await?;
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+
+    let relid: u32 = c.query_one("SELECT 'kv'::regclass::oid", &[]).await?.get(0);
+    let peer: u32 = c
+        .query_one(
+            "SELECT roident::oid FROM pg_replication_origin WHERE roname = 'peer'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let lookup = sql::tombstone_lookup(relid, &["id"], &["integer"]);
+    let found = c.query(&lookup, &[&7i32]).await?;
+    anyhow::ensure!(
+        found.len() == 1,
+        "{} tombstones found for id 7",
+        found.len()
+    );
+    let (origin, ts): (u32, chrono::DateTime<chrono::Utc>) = (found[0].get(0), found[0].get(1));
+    anyhow::ensure!(
+        origin == peer && ts == utc(at),
+        "the tombstone's version after the migration is ({origin}, {ts}), want ({peer}, {at})"
+    );
+
+    let plain = c
+        .batch_execute(
+            "INSERT INTO mm.tombstones (relid, key) VALUES ('kv'::regclass, '{\"id\": 7.0}')",
+        )
+        .await;
+    let constraint = plain
+        .as_ref()
+        .err()
+        .and_then(|e| e.as_db_error())
+        .and_then(|d| d.constraint().map(str::to_owned));
+    anyhow::ensure!(
+        constraint.as_deref() == Some(TOMBSTONES_KEY),
+        "a plain INSERT of an existing tombstone's key: {plain:?}"
+    );
+    c.execute(
+        &sql::tombstone_upsert(relid, &["id"], &["integer"]),
+        &[&7i32],
+    )
+    .await?;
+    let found = c.query(&lookup, &[&7i32]).await?;
+    let origin: u32 = found[0].get(0);
+    anyhow::ensure!(
+        found.len() == 1 && origin == 0,
+        "the upsert did not raise the tombstone to this transaction: {} rows, origin {origin}",
+        found.len()
+    );
     Ok(())
 }

@@ -81,8 +81,8 @@ pub enum Signal {
     TombstoneTaken,
 }
 
-/// The name PostgreSQL gave `mm.tombstones`' primary key (0001_base.sql).
-const TOMBSTONES_KEY: &str = "tombstones_pkey";
+/// `mm.tombstones`' unique index (0008_tombstone_hash.sql).
+pub const TOMBSTONES_KEY: &str = "mm_tombstones_key";
 
 impl ApplyFailure {
     pub fn new(relation: Option<&str>, message: impl Into<String>) -> Self {

@@ -737,12 +737,16 @@ pub enum TombstoneWrite {
     Insert,
 }
 
+/// Raises a key's existing tombstone to the writing transaction. The
+/// conflict target is `mm_tombstones_key`'s (0008_tombstone_hash.sql): the
+/// key's hash, then the key.
+const TOMBSTONE_UPSERT: &str = " ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) \
+                                DO UPDATE SET relid = EXCLUDED.relid";
+
 impl TombstoneWrite {
     fn clause(self) -> &'static str {
         match self {
-            TombstoneWrite::Upsert => {
-                " ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid"
-            }
+            TombstoneWrite::Upsert => TOMBSTONE_UPSERT,
             TombstoneWrite::Insert => "",
         }
     }
@@ -780,10 +784,7 @@ pub fn fast_delete_many(
 /// Upserts the tombstone of one key (params `$1..` typed by `types`).
 pub fn tombstone_upsert(relid: u32, key_cols: &[&str], types: &[&str]) -> String {
     let key = key_json(key_cols, |i, _| format!("${}::{}", i + 1, types[i]));
-    format!(
-        "INSERT INTO mm.tombstones (relid, key) VALUES ({relid}, {key}) \
-         ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid"
-    )
+    format!("INSERT INTO mm.tombstones (relid, key) VALUES ({relid}, {key}){TOMBSTONE_UPSERT}")
 }
 
 /// The tombstone of one key with its version: (roident, commit timestamp).
@@ -792,7 +793,8 @@ pub fn tombstone_lookup(relid: u32, key_cols: &[&str], types: &[&str]) -> String
     format!(
         "SELECT o.roident, o.\"timestamp\" FROM mm.tombstones tb \
          LEFT JOIN LATERAL pg_catalog.pg_xact_commit_timestamp_origin(tb.xmin) o ON true \
-         WHERE tb.relid = {relid} AND tb.key = {key}"
+         WHERE tb.relid = {relid} AND pg_catalog.jsonb_hash_extended(tb.key, 0) = \
+         pg_catalog.jsonb_hash_extended({key}, 0) AND tb.key = {key}"
     )
 }
 
@@ -975,10 +977,7 @@ mod tests {
         // Tombstones upserted (a key may have one), or, where no key has
         // one, a plain INSERT of them.
         for (how, clause) in [
-            (
-                TombstoneWrite::Upsert,
-                " ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid",
-            ),
+            (TombstoneWrite::Upsert, TOMBSTONE_UPSERT),
             (TombstoneWrite::Insert, ""),
         ] {
             assert_eq!(
@@ -1101,7 +1100,7 @@ mod tests {
              AND CASE WHEN mm.routine(mm_t.xmin, $7::oid[], mm_v.mm_ts, $8::oid[], $9::timestamptz[]) THEN true ELSE mm.conflict() END \
              RETURNING mm_t.\"a\", mm_t.\"b\"), \
              tb AS (INSERT INTO mm.tombstones (relid, key) SELECT 42, pg_catalog.jsonb_build_object('a', d.\"a\", 'b', d.\"b\") FROM d \
-             ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid) \
+             ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid) \
              SELECT (CASE WHEN (SELECT count(*) FROM d) = 2 THEN 1 ELSE 0 END)::mm.one_row"
         );
         // A quote in a key column name stays inside the literal.

@@ -36,7 +36,7 @@ BEGIN
   SELECT DISTINCT TG_RELID,
          (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(o.*)) e WHERE e.key = ANY (cols))
     FROM mm_old o
-  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
   RETURN NULL;
 END
 $fn$;
@@ -73,7 +73,7 @@ BEGIN
   END IF;
   INSERT INTO mm.tombstones (relid, key)
   SELECT root, (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols))
-  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
   RETURN NULL;
 END
 $fn$;
@@ -319,7 +319,10 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
                             WHERE tr.relid = p_rel AND o."timestamp" >= p_ts
                               AND o.roident <> ALL (p_origin))
                OR (p_keys IS NOT NULL AND EXISTS (SELECT 1 FROM mm.tombstones tb
-                             WHERE tb.relid = p_rel AND tb.key = ANY (p_keys)))
+                             WHERE tb.relid = p_rel AND tb.key = ANY (p_keys)
+                               AND pg_catalog.jsonb_hash_extended(tb.key, 0)
+                                   = ANY (ARRAY(SELECT pg_catalog.jsonb_hash_extended(k, 0)
+                                                  FROM pg_catalog.unnest(p_keys) AS k))))
               THEN mm.conflict() ELSE true END
 $fn$;
 
@@ -398,7 +401,7 @@ BEGIN
     FROM pg_class cl JOIN pg_namespace n ON n.oid = cl.relnamespace
    WHERE cl.oid = c.relid;
   INSERT INTO mm.tombstones (relid, key) VALUES (c.relid, c.key)
-  ON CONFLICT (relid, key) DO UPDATE SET relid = EXCLUDED.relid;
+  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
   PERFORM pg_logical_emit_message(true, 'mm.delete', jsonb_build_object('relation', rel, 'key', texts)::text);
   DELETE FROM mm.compensations WHERE id = p_id;
   RETURN true;
