@@ -260,7 +260,13 @@ impl Applier {
                     }
                     params.push(Param::timestamptz(txn.commit_ts.0));
                 }
-                let tombstones = rel.tombstone_write();
+                // Only deletes write tombstones: an update's statement is
+                // one, whatever the table's tombstone mode (not prepared
+                // again when the mode changes).
+                let tombstones = match class {
+                    Class::Delete => rel.tombstone_write(),
+                    _ => sql::TombstoneWrite::Insert,
+                };
                 let stmt = match rel.many.get(&(class.clone(), n, tombstones)) {
                     Some(s) => s.clone(),
                     None => {
