@@ -17,6 +17,7 @@ pub const MIGRATIONS: &[(i32, &str)] = &[
     (6, include_str!("sql/0006_sync.sql")),
     (7, include_str!("sql/0007_progress_guard.sql")),
     (8, include_str!("sql/0008_tombstone_hash.sql")),
+    (9, include_str!("sql/0009_progress_fillfactor.sql")),
 ];
 
 /// Functions and triggers: replaced at every start (not versioned data).

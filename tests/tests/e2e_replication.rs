@@ -384,6 +384,14 @@ async fn a_backlog_of_single_row_transactions_keeps_each_commit() -> Result<()> 
         applied.contains(&("s1->s2".to_owned(), 300 + 100 + 60)),
         "applied transactions: {applied:?}"
     );
+    // Each of them updated the progress row: its page is pruned after a few
+    // versions (schema 9), not after ~90 that its guard's probe walks.
+    let fillfactor =
+        "SELECT reloptions::text FROM pg_class WHERE oid = 'mm.apply_progress'::regclass";
+    assert_eq!(
+        c.rows(1, fillfactor).await?[0][0].as_deref(),
+        Some("{fillfactor=10}")
+    );
     Ok(())
 }
 

@@ -208,8 +208,10 @@ pub fn fast_insert(
 /// built when the table has a tombstone at all by then; for one, that test
 /// would cost a function call as dear as the check itself.
 ///
-/// One row with a key needs no wrapper: the function's argument reads `i`
-/// to its end before the call. Without a key, one row needs only EXISTS
+/// One row with a key needs no wrapper: the function's argument, a scalar
+/// subquery, reads `i` to its end (looking for a second row) before the
+/// call. It goes to `mm.insert_recheck_key`, the same checks in a plan that
+/// is cheaper to start for one key. Without a key, one row needs only EXISTS
 /// (`i` has inserted its row once it returned it), cheaper than an
 /// aggregate: single-row transactions are the backend-bound case.
 fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: usize) -> String {
@@ -228,7 +230,9 @@ fn insert_recheck(relid: u32, key_cols: Option<&[&str]>, rows: usize, ts_param: 
                     check(&keys)
                 )
             } else {
-                check(&all)
+                format!(
+                    "mm.insert_recheck_key({relid}, (SELECT {key} FROM i), ${ts_param}::timestamptz, ${origins}::oid[])"
+                )
             }
         }
         None if rows > 1 => format!(
@@ -1049,7 +1053,7 @@ mod tests {
             ),
             "WITH i AS (INSERT INTO \"public\".\"acc\" (\"id\") OVERRIDING SYSTEM VALUE VALUES ($1::integer) RETURNING \"id\"), \
              mm_p AS (UPDATE mm.apply_progress SET remote_lsn = $6::pg_lsn, remote_commit_ts = $7::timestamptz, applied_txns = applied_txns + 1 WHERE origin = $4::text AND remote_lsn = $5::pg_lsn RETURNING 1) \
-             SELECT mm.insert_recheck(42, ARRAY(SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz, $3::oid[]), \
+             SELECT mm.insert_recheck_key(42, (SELECT pg_catalog.jsonb_build_object('id', i.\"id\") FROM i), $2::timestamptz, $3::oid[]), \
              COALESCE((SELECT 1::bigint FROM mm_p), 0)::mm.progress_one, pg_catalog.pg_replication_origin_xact_setup('0/0', $7::timestamptz)"
         );
         // In a lane: the turn around the first column, the wait for the

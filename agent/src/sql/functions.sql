@@ -326,6 +326,29 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
               THEN mm.conflict() ELSE true END
 $fn$;
 
+-- mm.insert_recheck for a single-row INSERT whose table has a key, the
+-- common OLTP insert: the same two checks, with the same fresh snapshot, in
+-- the plan that is cheapest to start, since the executor is set up again
+-- for every call. The key is compared by its hash and then itself (one
+-- probe of mm_tombstones_key, no array to unnest), and the truncate check
+-- reads the commit of the table's one truncate row in its WHERE instead of
+-- joining a function scan. Measured with callgrind on a single-row
+-- INSERT transaction as the apply session sends it: 99k instructions for
+-- mm.insert_recheck, 70k for this (of ~270k for the whole transaction).
+CREATE OR REPLACE FUNCTION mm.insert_recheck_key(
+    p_rel oid, p_key jsonb, p_ts timestamptz, p_origin oid[])
+RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
+  SELECT CASE WHEN EXISTS (SELECT FROM mm.truncates tr
+                            WHERE tr.relid = p_rel
+                              AND (pg_catalog.pg_xact_commit_timestamp_origin(tr.xmin))."timestamp" >= p_ts
+                              AND (pg_catalog.pg_xact_commit_timestamp_origin(tr.xmin)).roident <> ALL (p_origin))
+               OR EXISTS (SELECT FROM mm.tombstones tb
+                           WHERE tb.relid = p_rel
+                             AND pg_catalog.jsonb_hash_extended(tb.key, 0) = pg_catalog.jsonb_hash_extended(p_key, 0)
+                             AND tb.key = p_key)
+              THEN mm.conflict() ELSE true END
+$fn$;
+
 -- Whether a table has any tombstone now (fresh snapshot, as above): when
 -- not, a multi-row INSERT does not build its keys for `mm.insert_recheck`.
 CREATE OR REPLACE FUNCTION mm.has_tombstones(p_rel oid) RETURNS boolean
