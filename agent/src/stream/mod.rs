@@ -233,6 +233,9 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         cfg = cfg.with_password(pw.clone());
     }
     let mut client = ReplicationClient::connect(&cfg).await.map_err(repl_err)?;
+    // Where the publisher's WAL is now: how far behind this stream starts,
+    // before the lag probe's first sample says so (`Receiver::behind_to`).
+    let publisher_at_start = client.identify_system().await.map_err(repl_err)?.xlogpos;
     let slot = names::slot_name(&peer.name, &local.name);
     ensure_slot(&mut client, &slot).await.map_err(repl_err)?;
 
@@ -281,6 +284,7 @@ async fn run_inner(local: &LocalNode, peer: &Peer) -> Result<(), StreamError> {
         stream_xid: None,
         streamed_early: None,
         deferred_announcement: None,
+        publisher_at_start,
     };
     let mut ticker = tokio::time::interval(FEEDBACK_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

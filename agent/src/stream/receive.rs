@@ -45,6 +45,9 @@ pub(super) struct Receiver<'a> {
     /// session, which holds that transaction open).
     pub streamed_early: Option<StreamedEarly>,
     pub deferred_announcement: Option<Announcement>,
+    /// The publisher's WAL flush position when the stream connected
+    /// (IDENTIFY_SYSTEM).
+    pub publisher_at_start: Lsn,
 }
 
 impl Receiver<'_> {
@@ -61,6 +64,16 @@ impl Receiver<'_> {
             lsn,
             message,
         }
+    }
+
+    fn behind_to(&self) -> Option<Lsn> {
+        publisher_known(
+            self.local
+                .status
+                .get(&self.peer)
+                .and_then(|s| s.publisher_lsn),
+            self.publisher_at_start,
+        )
     }
 
     /// Sends the transactions held in a group (`apply/group.rs`); a failure
@@ -118,13 +131,7 @@ impl Receiver<'_> {
         if let Some(open) = self.current.as_mut() {
             abandon_idle_early(&mut self.applier, &self.peer, open).await?;
         }
-        stream.set_read_batch(read_batch(
-            self.local
-                .status
-                .get(&self.peer)
-                .and_then(|s| s.publisher_lsn),
-            self.progress.received,
-        ));
+        stream.set_read_batch(read_batch(self.behind_to(), self.progress.received));
         if self
             .streamed_early
             .as_ref()
@@ -510,6 +517,18 @@ fn read_batch(publisher: Option<Lsn>, received: Lsn) -> usize {
     }
 }
 
+/// The newest known position of the publisher's WAL: the lag probe's
+/// (`lag.rs`, once a second), or where it was when the stream connected
+/// if that is newer. A stream resumed after a pause used to see its
+/// backlog only at the probe's next sample, which may have been taken
+/// before the backlog was written: 200k rows in 1000-row transactions
+/// are caught up in under a second, and in a third of such runs the reads
+/// went message by message (agent 0.2-0.3 s of CPU instead of 0.1,
+/// catch-up 0.8-1.1 s instead of 0.7-0.8).
+fn publisher_known(probed: Option<Lsn>, at_start: Lsn) -> Option<Lsn> {
+    Some(probed.map_or(at_start, |p| p.max(at_start)))
+}
+
 /// Behind by more than this (the publisher's WAL position, probed every
 /// second by `lag.rs`), reads are batched.
 const BATCH_BEHIND: u64 = 4 << 20;
@@ -521,6 +540,24 @@ const READ_BATCH: usize = 1 << 20;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_that_connects_behind_is_batched_before_the_first_probe() {
+        let start = Lsn(0x1_0000_0000);
+        let far = Lsn(start.0 + BATCH_BEHIND + 1);
+        assert_eq!(read_batch(publisher_known(None, far), start), READ_BATCH);
+        // An older probe does not hide what the connection saw, a newer one
+        // counts.
+        assert_eq!(
+            read_batch(publisher_known(Some(start), far), start),
+            READ_BATCH
+        );
+        assert_eq!(
+            publisher_known(Some(Lsn(far.0 + 1)), far),
+            Some(Lsn(far.0 + 1))
+        );
+        assert_eq!(read_batch(publisher_known(None, start), start), 0);
+    }
 
     #[test]
     fn reads_are_batched_only_far_behind_a_known_publisher() {
