@@ -55,8 +55,10 @@ impl StatusRegistry {
         lock(&self.streams).values().cloned().collect()
     }
 
+    /// The status of the stream from `from` (the registry is keyed by it):
+    /// a copy of that one, not of every stream's.
     pub fn get(&self, from: &str) -> Option<StreamStatus> {
-        self.snapshot().into_iter().find(|s| s.from == from)
+        lock(&self.streams).get(from).cloned()
     }
 
     /// Applies `f` to the status of the stream from `from`, creating it if needed.
