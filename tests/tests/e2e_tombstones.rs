@@ -264,3 +264,121 @@ async fn tombstones_written_before_schema_8_keep_their_versions() -> Result<()> 
     );
     Ok(())
 }
+
+/// The tombstone triggers carry the table's key (its index and columns) as
+/// arguments, so a local DELETE does not query the catalog. A key changed
+/// while the agent is down must still be honoured: deletes fall back to the
+/// catalog at once, and the next start makes the triggers again for the
+/// new key (the key-change trigger watches the key's columns); a start
+/// that finds them current leaves them alone (no lock on the table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_tombstones_follow_a_changed_key() -> Result<()> {
+    mm_tests::init_tracing();
+    let pg = PgNode::start("tbkey")?;
+    let c = pg.connect().await?;
+    c.batch_execute(
+        r#"CREATE TABLE kv (id int PRIMARY KEY, v text NOT NULL, n int);
+           CREATE TABLE full_kv (id int PRIMARY KEY, v text);
+           ALTER TABLE full_kv REPLICA IDENTITY FULL;
+           CREATE TABLE ri (a int NOT NULL, b int NOT NULL, c int);
+           CREATE UNIQUE INDEX ri_ba ON ri (b, a);
+           ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_ba;
+           CREATE TABLE "Odd ""t""" ("k 1" int, "K'2" text, PRIMARY KEY ("K'2", "k 1"));
+           CREATE TABLE parted (id int PRIMARY KEY, v text) PARTITION BY RANGE (id);
+           CREATE TABLE parted_1 PARTITION OF parted FOR VALUES FROM (0) TO (100);"#,
+    )
+    .await?;
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    let keys = |table: &'static str| {
+        let c = &c;
+        async move {
+            let rows = c
+                .query(
+                    "SELECT key::text FROM mm.tombstones WHERE relid = $1::text::regclass ORDER BY key::text",
+                    &[&table],
+                )
+                .await?;
+            anyhow::Ok(
+                rows.iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    c.batch_execute(
+        r#"INSERT INTO kv VALUES (1, 'a', 1), (2, 'b', 2), (3, 'c', 3);
+           INSERT INTO full_kv VALUES (1, 'x');
+           INSERT INTO ri VALUES (1, 2, 3);
+           INSERT INTO "Odd ""t""" VALUES (1, 'q');
+           INSERT INTO parted VALUES (5, 'p');
+           DELETE FROM kv WHERE id = 1;
+           DELETE FROM full_kv;
+           DELETE FROM ri;
+           DELETE FROM "Odd ""t""";
+           DELETE FROM parted_1;"#,
+    )
+    .await?;
+    assert_eq!(keys("kv").await?, [r#"{"id": 1}"#]);
+    assert_eq!(
+        keys("full_kv").await?,
+        [r#"{"id": 1}"#],
+        "FULL identity: keyed by the primary key"
+    );
+    assert_eq!(keys("ri").await?, [r#"{"a": 1, "b": 2}"#]);
+    assert_eq!(keys(r#""Odd ""t""""#).await?, [r#"{"K'2": "q", "k 1": 1}"#]);
+    assert_eq!(
+        keys("parted").await?,
+        [r#"{"id": 5}"#],
+        "a partition's delete is keyed by its root"
+    );
+
+    let versions = "SELECT tgrelid::regclass::text, tgname, xmin::text FROM pg_trigger \
+                    WHERE tgname LIKE 'mm\\_%' ORDER BY 1, 2";
+    let before: Vec<(String, String, String)> = c
+        .query(versions, &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    let again: Vec<(String, String, String)> = c
+        .query(versions, &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        before, again,
+        "a start that finds the triggers current made them again"
+    );
+
+    // The key changes while the agent is down: deletes are keyed by the
+    // new key at once, through the catalog.
+    c.batch_execute(
+        "ALTER TABLE kv DROP CONSTRAINT kv_pkey, ADD PRIMARY KEY (v);
+         DELETE FROM kv WHERE id = 2;",
+    )
+    .await?;
+    assert_eq!(keys("kv").await?, [r#"{"id": 1}"#, r#"{"v": "b"}"#]);
+    // The next start makes the triggers for the new key: an update that
+    // moves a row's new key leaves the old key's tombstone.
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    c.batch_execute("UPDATE kv SET v = 'z' WHERE id = 3")
+        .await?;
+    assert_eq!(
+        keys("kv").await?,
+        [r#"{"id": 1}"#, r#"{"v": "b"}"#, r#"{"v": "c"}"#],
+        "the key-change trigger still watched the old key after a start"
+    );
+    c.batch_execute("DELETE FROM kv").await?;
+    assert_eq!(
+        keys("kv").await?,
+        [
+            r#"{"id": 1}"#,
+            r#"{"v": "b"}"#,
+            r#"{"v": "c"}"#,
+            r#"{"v": "z"}"#
+        ]
+    );
+    Ok(())
+}

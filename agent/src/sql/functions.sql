@@ -7,14 +7,40 @@
 -- SPI setup per applied transaction. Dropped where an older agent left it.
 DROP FUNCTION IF EXISTS mm.advance_progress(text, pg_lsn, pg_lsn, timestamptz);
 
--- The columns the applier locates rows by: replica identity index, else primary key.
+-- The index the applier locates rows by: replica identity index, else
+-- primary key. pg_index is small enough that the planner scans all of it,
+-- deforming every row (with its int2vector and oidvector columns) on each
+-- call: a third of a million instructions; its indexes make it a few probes.
+CREATE OR REPLACE FUNCTION mm.key_index(p_rel oid) RETURNS oid
+LANGUAGE sql STABLE SET search_path = pg_catalog SET enable_seqscan = off AS $fn$
+  SELECT i.indexrelid FROM pg_index i
+   WHERE i.indrelid = p_rel AND (i.indisreplident OR i.indisprimary) AND i.indisvalid
+   ORDER BY i.indisreplident DESC LIMIT 1
+$fn$;
+
+-- The key index's columns, in the index's order; NULL without one.
 CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
-LANGUAGE sql STABLE SET search_path = pg_catalog AS $fn$
-  SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[], a.attnum))
-    FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-   WHERE i.indexrelid = (SELECT i2.indexrelid FROM pg_index i2
-                          WHERE i2.indrelid = p_rel AND (i2.indisreplident OR i2.indisprimary)
-                            AND i2.indisvalid ORDER BY i2.indisreplident DESC LIMIT 1)
+LANGUAGE sql STABLE SET search_path = pg_catalog SET enable_seqscan = off AS $fn$
+  SELECT ARRAY(SELECT a.attname::text FROM pg_attribute a
+                WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+                ORDER BY array_position(i.indkey::int2[], a.attnum))
+    FROM pg_index i
+   WHERE i.indexrelid = mm.key_index(p_rel)
+$fn$;
+
+-- The key columns a tombstone trigger records. mm.install_tombstone_trigger
+-- passes the key index's oid and its columns as the trigger's arguments, so
+-- a local DELETE does not query the catalog (mm.key_columns cost more than
+-- the DELETE itself). pg_get_replica_identity_index reads the relcache, and
+-- an index's columns never change: the arguments hold while the index they
+-- name is the table's key. Otherwise (REPLICA IDENTITY FULL or NOTHING, a
+-- key changed since the trigger was made, a trigger from an older agent)
+-- the catalog answers. Plain SQL, so the planner inlines it.
+CREATE OR REPLACE FUNCTION mm.trigger_key_columns(p_rel oid, p_index text, p_cols text[]) RETURNS text[]
+LANGUAGE sql STABLE AS $fn$
+  SELECT CASE WHEN pg_catalog.pg_get_replica_identity_index(p_rel::pg_catalog.regclass)::pg_catalog.oid
+                   OPERATOR(pg_catalog.=) p_index::pg_catalog.oid
+              THEN p_cols ELSE mm.key_columns(p_rel) END
 $fn$;
 
 -- Local deletes leave tombstones: a statement trigger (one run per DELETE
@@ -27,16 +53,26 @@ SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'
 SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
 #variable_conflict use_variable
 DECLARE
-  cols text[] := mm.key_columns(TG_RELID);
+  cols text[] := mm.trigger_key_columns(TG_RELID, TG_ARGV[0], TG_ARGV[1:]);
 BEGIN
   IF cols IS NULL THEN
     RETURN NULL;
   END IF;
-  INSERT INTO mm.tombstones (relid, key)
-  SELECT DISTINCT TG_RELID,
-         (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(o.*)) e WHERE e.key = ANY (cols))
-    FROM mm_old o
-  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  -- A single-column key (most tables) is taken straight from the row: a
+  -- statement of its own, since a subquery costs its setup even where a
+  -- CASE does not evaluate it.
+  IF cardinality(cols) = 1 THEN
+    INSERT INTO mm.tombstones (relid, key)
+    SELECT DISTINCT TG_RELID, jsonb_build_object(cols[1], to_jsonb(o.*) -> cols[1])
+      FROM mm_old o
+    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  ELSE
+    INSERT INTO mm.tombstones (relid, key)
+    SELECT DISTINCT TG_RELID,
+           (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(o.*)) e WHERE e.key = ANY (cols))
+      FROM mm_old o
+    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  END IF;
   RETURN NULL;
 END
 $fn$;
@@ -66,14 +102,20 @@ SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
 #variable_conflict use_variable
 DECLARE
   root oid := coalesce(pg_partition_root(TG_RELID), TG_RELID);
-  cols text[] := mm.key_columns(root);
+  cols text[] := mm.trigger_key_columns(root, TG_ARGV[0], TG_ARGV[1:]);
 BEGIN
   IF cols IS NULL THEN
     RETURN NULL;
   END IF;
-  INSERT INTO mm.tombstones (relid, key)
-  SELECT root, (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols))
-  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  IF cardinality(cols) = 1 THEN
+    INSERT INTO mm.tombstones (relid, key)
+    SELECT root, jsonb_build_object(cols[1], to_jsonb(OLD.*) -> cols[1])
+    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  ELSE
+    INSERT INTO mm.tombstones (relid, key)
+    SELECT root, (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols))
+    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+  END IF;
   RETURN NULL;
 END
 $fn$;
@@ -83,20 +125,31 @@ LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
 #variable_conflict use_variable
 DECLARE
   parted boolean := (SELECT relkind = 'p' FROM pg_class WHERE oid = p_rel);
+  idx oid := mm.key_index(p_rel);
   cols text[] := mm.key_columns(p_rel);
+  -- The arguments mm.trigger_key_columns reads: the key index, its columns.
+  args text[] := CASE WHEN cols IS NULL THEN '{}'::text[] ELSE idx::text || cols END;
+  arglist text := (SELECT string_agg(quote_literal(a), ', ' ORDER BY o)
+                     FROM unnest(args) WITH ORDINALITY u(a, o));
+  -- The same as pg_trigger stores them, to tell a trigger made for another
+  -- key (or by an older agent) from a current one: only those are replaced,
+  -- so an agent's start takes no lock on a table whose triggers are current.
+  stored bytea := coalesce((SELECT string_agg(convert_to(a, getdatabaseencoding()) || '\x00'::bytea, ''::bytea ORDER BY o)
+                              FROM unnest(args) WITH ORDINALITY u(a, o)), ''::bytea);
 BEGIN
   -- An older agent put a statement trigger on partitioned roots too.
   IF parted AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
                                                    AND tgtype & 1 = 0) THEN
     EXECUTE format('DROP TRIGGER mm_tombstones ON %s', p_rel::regclass);
   END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones') THEN
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
+                                            AND tgargs = stored) THEN
     IF parted THEN
-      EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s '
-                     'FOR EACH ROW EXECUTE FUNCTION mm.record_local_delete_row()', p_rel::regclass);
+      EXECUTE format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s '
+                     'FOR EACH ROW EXECUTE FUNCTION mm.record_local_delete_row(%s)', p_rel::regclass, arglist);
     ELSE
-      EXECUTE format('CREATE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
-                     'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes()', p_rel::regclass);
+      EXECUTE format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
+                     'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes(%s)', p_rel::regclass, arglist);
     END IF;
   END IF;
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
@@ -108,13 +161,16 @@ BEGIN
   -- bring it back here and not on the nodes that applied the move (apply
   -- sessions write their own). The WHEN clause is evaluated without a
   -- function call, so updates that keep the key cost nothing. Rows moving
-  -- between partitions fire the delete trigger instead.
-  IF cols IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes') THEN
-    EXECUTE format('CREATE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
-                   'EXECUTE FUNCTION mm.record_local_delete_row()',
+  -- between partitions fire the delete trigger instead. Made again when
+  -- the key changed: its column list is the key's.
+  IF cols IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes'
+                                                                AND tgargs = stored) THEN
+    EXECUTE format('CREATE OR REPLACE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
+                   'EXECUTE FUNCTION mm.record_local_delete_row(%s)',
                    (SELECT string_agg(quote_ident(k), ', ') FROM unnest(cols) k),
                    p_rel::regclass,
-                   (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k));
+                   (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k),
+                   arglist);
   END IF;
 END
 $fn$;
