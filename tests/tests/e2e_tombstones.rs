@@ -14,6 +14,11 @@ use mm_tests::versions::{utc, write_under_origin};
 
 const SCHEMA: &str = "CREATE TABLE kv (id int PRIMARY KEY, v text);";
 
+/// The first column of every row of `sql`, as text.
+async fn texts(c: &tokio_postgres::Client, sql: &str) -> Result<Vec<String>> {
+    Ok(c.query(sql, &[]).await?.iter().map(|r| r.get(0)).collect())
+}
+
 async fn tombstones(c: &TestCluster, i: usize) -> Result<i64> {
     let r = c.rows(i, "SELECT count(*) FROM mm.tombstones").await?;
     Ok(r[0][0].as_deref().unwrap_or("0").parse()?)
@@ -380,5 +385,83 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
             r#"{"v": "z"}"#
         ]
     );
+    Ok(())
+}
+
+/// A role other than the agent's writes replicated tables with the grants
+/// README lists (schema mm's usage, and the tombstone and truncate
+/// tables): its deletes, truncates, key changes and new tables are
+/// recorded as the agent's own would be. Without them the statement fails
+/// whole, naming schema mm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_role_with_the_documented_grants_writes_replicated_tables() -> Result<()> {
+    mm_tests::init_tracing();
+    let pg = PgNode::start("tbrole")?;
+    let c = pg.connect().await?;
+    c.batch_execute(
+        "CREATE TABLE kv (id int PRIMARY KEY, v text);
+         CREATE TABLE parted (id int PRIMARY KEY) PARTITION BY RANGE (id);
+         CREATE TABLE parted_1 PARTITION OF parted FOR VALUES FROM (0) TO (100);
+         CREATE ROLE app;
+         GRANT CREATE ON SCHEMA public TO app;
+         GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON kv, parted, parted_1 TO app;
+         INSERT INTO kv VALUES (1, 'a'), (2, 'b');
+         INSERT INTO parted VALUES (1), (2);",
+    )
+    .await?;
+    mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+
+    let denied = c
+        .batch_execute("SET ROLE app; DELETE FROM kv WHERE id = 1")
+        .await;
+    c.batch_execute("RESET ROLE").await?;
+    let message = denied
+        .as_ref()
+        .err()
+        .and_then(|e| e.as_db_error())
+        .map(|d| d.message().to_owned());
+    anyhow::ensure!(
+        message.as_deref() == Some("permission denied for schema mm"),
+        "a DELETE without the grants: {denied:?}"
+    );
+
+    c.batch_execute(
+        "GRANT USAGE ON SCHEMA mm TO app;
+         GRANT SELECT, INSERT, UPDATE ON mm.tombstones, mm.truncates TO app;",
+    )
+    .await?;
+    c.batch_execute(
+        "SET ROLE app;
+         DELETE FROM kv WHERE id = 1;
+         UPDATE kv SET id = 3 WHERE id = 2;
+         DELETE FROM parted WHERE id = 1;
+         TRUNCATE parted_1;
+         CREATE TABLE app_t (k text PRIMARY KEY);
+         INSERT INTO app_t VALUES ('x');
+         DELETE FROM app_t;
+         TRUNCATE kv;
+         RESET ROLE;",
+    )
+    .await?;
+    let tombstones = texts(
+        &c,
+        "SELECT relid::regclass::text || ' ' || key::text FROM mm.tombstones ORDER BY 1",
+    )
+    .await?;
+    assert_eq!(
+        tombstones,
+        [
+            r#"app_t {"k": "x"}"#,
+            r#"kv {"id": 1}"#,
+            r#"kv {"id": 2}"#,
+            r#"parted {"id": 1}"#
+        ]
+    );
+    let truncated = texts(
+        &c,
+        "SELECT relid::regclass::text FROM mm.truncates ORDER BY 1",
+    )
+    .await?;
+    assert_eq!(truncated, ["kv", "parted_1"]);
     Ok(())
 }
