@@ -97,15 +97,39 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaErr
 }
 
 /// The agent's triggers on every replicated table (idempotent): also after
-/// add-node created tables from the source's definitions.
+/// add-node created tables from the source's definitions. One table per
+/// transaction, so a table's lock is held only while its own triggers are
+/// made. A table whose triggers were made for another key and could not
+/// be made again within a second (a long transaction holds it) keeps them,
+/// correct but slower, and is named in the log.
 pub async fn install_triggers(client: &Client) -> Result<(), SchemaError> {
-    client
-        .batch_execute(
-            "SELECT mm.install_tombstone_trigger(c.oid) FROM pg_catalog.pg_class c \
+    let tables = client
+        .query(
+            "SELECT c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_publication_namespace pn ON pn.pnnspid = c.relnamespace \
              JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm' \
-             WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition;
-             SELECT mm.install_partition_trigger(c.oid) FROM pg_catalog.pg_class c \
+             WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition ORDER BY c.oid",
+            &[],
+        )
+        .await?;
+    for t in &tables {
+        let (oid, name): (u32, String) = (t.try_get(0)?, t.try_get(1)?);
+        let current: bool = client
+            .query_one("SELECT mm.install_tombstone_trigger($1)", &[&oid])
+            .await?
+            .try_get(0)?;
+        if !current {
+            tracing::warn!(
+                table = %name,
+                "the table's tombstone triggers were made for another key and could not be made again \
+                 within 1 s (a transaction holds the table); local deletes read the key from the \
+                 catalog (slower, correct) until the next start"
+            );
+        }
+    }
+    client
+        .batch_execute(
+            "SELECT mm.install_partition_trigger(c.oid) FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_publication_namespace pn ON pn.pnnspid = c.relnamespace \
              JOIN pg_catalog.pg_publication p ON p.oid = pn.pnpubid AND p.pubname = 'mm' \
              WHERE c.relkind IN ('r', 'p') AND c.relispartition",

@@ -365,9 +365,35 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
     )
     .await?;
     assert_eq!(keys("kv").await?, [r#"{"id": 1}"#, r#"{"v": "b"}"#]);
+    // A start while a transaction holds the table does not wait for it
+    // (every write to the table would queue behind the trigger's lock):
+    // the triggers stay as they were, correct, until a later start.
+    let other = pg.connect().await?;
+    other
+        .batch_execute("BEGIN; INSERT INTO kv VALUES (9, 'i', 9)")
+        .await?;
+    let started = std::time::Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        mm_agent::schema::ensure(&c, &["public".to_owned()]),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("a start waited for a transaction holding a table"))??;
+    anyhow::ensure!(
+        started.elapsed() < Duration::from_secs(10),
+        "a start took {:?} with a table held",
+        started.elapsed()
+    );
+    let watched = "SELECT pg_get_triggerdef(oid) FROM pg_trigger \
+                   WHERE tgrelid = 'kv'::regclass AND tgname = 'mm_key_changes'";
+    let def: String = c.query_one(watched, &[]).await?.get(0);
+    anyhow::ensure!(def.contains("UPDATE OF id ON"), "{def}");
+    other.batch_execute("COMMIT").await?;
     // The next start makes the triggers for the new key: an update that
     // moves a row's new key leaves the old key's tombstone.
     mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
+    let def: String = c.query_one(watched, &[]).await?.get(0);
+    anyhow::ensure!(def.contains("UPDATE OF v ON"), "{def}");
     c.batch_execute("UPDATE kv SET v = 'z' WHERE id = 3")
         .await?;
     assert_eq!(
@@ -382,6 +408,7 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
             r#"{"id": 1}"#,
             r#"{"v": "b"}"#,
             r#"{"v": "c"}"#,
+            r#"{"v": "i"}"#,
             r#"{"v": "z"}"#
         ]
     );

@@ -120,7 +120,41 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS void
+-- Makes one of a table's agent triggers, or makes it again when it exists
+-- with other arguments (made for another key, or by an older agent). A new
+-- trigger waits for its table's lock as long as it takes: without it local
+-- deletes leave no tombstone. Making one again waits at most a second: the
+-- lock (SHARE ROW EXCLUSIVE) would queue every write to the table behind
+-- the longest transaction open on it, and the existing trigger is correct
+-- meanwhile (mm.trigger_key_columns falls back to the catalog). False when
+-- it was left as it was.
+CREATE OR REPLACE FUNCTION mm.make_trigger(p_rel oid, p_name text, p_ddl text) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
+#variable_conflict use_variable
+DECLARE
+  waited text := current_setting('lock_timeout');
+BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = p_name) THEN
+    EXECUTE p_ddl;
+    RETURN true;
+  END IF;
+  BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    EXECUTE p_ddl;
+    PERFORM set_config('lock_timeout', waited, true);
+    RETURN true;
+  EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+  END;
+END
+$fn$;
+
+-- The agent's triggers on one table, current for its key; false when one
+-- made for another key is left in place (mm.make_trigger). It returned
+-- nothing before this agent version: dropped, as a return type cannot be
+-- replaced.
+DROP FUNCTION IF EXISTS mm.install_tombstone_trigger(oid);
+CREATE OR REPLACE FUNCTION mm.install_tombstone_trigger(p_rel oid) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
 #variable_conflict use_variable
 DECLARE
@@ -132,10 +166,12 @@ DECLARE
   arglist text := (SELECT string_agg(quote_literal(a), ', ' ORDER BY o)
                      FROM unnest(args) WITH ORDINALITY u(a, o));
   -- The same as pg_trigger stores them, to tell a trigger made for another
-  -- key (or by an older agent) from a current one: only those are replaced,
-  -- so an agent's start takes no lock on a table whose triggers are current.
+  -- key (or by an older agent) from a current one: only those are made
+  -- again, so an agent's start takes no lock on a table whose triggers
+  -- are current.
   stored bytea := coalesce((SELECT string_agg(convert_to(a, getdatabaseencoding()) || '\x00'::bytea, ''::bytea ORDER BY o)
                               FROM unnest(args) WITH ORDINALITY u(a, o)), ''::bytea);
+  current boolean := true;
 BEGIN
   -- An older agent put a statement trigger on partitioned roots too.
   IF parted AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
@@ -145,11 +181,13 @@ BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
                                             AND tgargs = stored) THEN
     IF parted THEN
-      EXECUTE format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s '
-                     'FOR EACH ROW EXECUTE FUNCTION mm.record_local_delete_row(%s)', p_rel::regclass, arglist);
+      current := mm.make_trigger(p_rel, 'mm_tombstones',
+        format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s '
+               'FOR EACH ROW EXECUTE FUNCTION mm.record_local_delete_row(%s)', p_rel::regclass, arglist));
     ELSE
-      EXECUTE format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
-                     'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes(%s)', p_rel::regclass, arglist);
+      current := mm.make_trigger(p_rel, 'mm_tombstones',
+        format('CREATE OR REPLACE TRIGGER mm_tombstones AFTER DELETE ON %s REFERENCING OLD TABLE AS mm_old '
+               'FOR EACH STATEMENT EXECUTE FUNCTION mm.record_local_deletes(%s)', p_rel::regclass, arglist));
     END IF;
   END IF;
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_truncates') THEN
@@ -165,13 +203,15 @@ BEGIN
   -- the key changed: its column list is the key's.
   IF cols IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes'
                                                                 AND tgargs = stored) THEN
-    EXECUTE format('CREATE OR REPLACE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
-                   'EXECUTE FUNCTION mm.record_local_delete_row(%s)',
-                   (SELECT string_agg(quote_ident(k), ', ') FROM unnest(cols) k),
-                   p_rel::regclass,
-                   (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k),
-                   arglist);
+    current := mm.make_trigger(p_rel, 'mm_key_changes',
+      format('CREATE OR REPLACE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
+             'EXECUTE FUNCTION mm.record_local_delete_row(%s)',
+             (SELECT string_agg(quote_ident(k), ', ') FROM unnest(cols) k),
+             p_rel::regclass,
+             (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k),
+             arglist)) AND current;
   END IF;
+  RETURN current;
 END
 $fn$;
 
