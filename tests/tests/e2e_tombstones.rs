@@ -290,7 +290,8 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
            ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_ba;
            CREATE TABLE "Odd ""t""" ("k 1" int, "K'2" text, PRIMARY KEY ("K'2", "k 1"));
            CREATE TABLE parted (id int PRIMARY KEY, v text) PARTITION BY RANGE (id);
-           CREATE TABLE parted_1 PARTITION OF parted FOR VALUES FROM (0) TO (100);"#,
+           CREATE TABLE parted_1 PARTITION OF parted FOR VALUES FROM (0) TO (100);
+           CREATE TABLE renamed (id int PRIMARY KEY, other int);"#,
     )
     .await?;
     mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
@@ -356,6 +357,16 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
         before, again,
         "a start that finds the triggers current made them again"
     );
+    // A renamed key column keeps its index (and the trigger's arguments
+    // their old name): the delete is keyed by the column's name now.
+    c.batch_execute(
+        "ALTER TABLE renamed RENAME COLUMN id TO ident;
+         ALTER TABLE renamed RENAME COLUMN other TO id;
+         INSERT INTO renamed VALUES (1, 2);
+         DELETE FROM renamed;",
+    )
+    .await?;
+    assert_eq!(keys("renamed").await?, [r#"{"ident": 1}"#]);
 
     // The key changes while the agent is down: deletes are keyed by the
     // new key at once, through the catalog.

@@ -32,14 +32,21 @@ $fn$;
 -- passes the key index's oid and its columns as the trigger's arguments, so
 -- a local DELETE does not query the catalog (mm.key_columns cost more than
 -- the DELETE itself). pg_get_replica_identity_index reads the relcache, and
--- an index's columns never change: the arguments hold while the index they
--- name is the table's key. Otherwise (REPLICA IDENTITY FULL or NOTHING, a
--- key changed since the trigger was made, a trigger from an older agent)
--- the catalog answers. Plain SQL, so the planner inlines it.
+-- an index's columns never change, but their names do (RENAME COLUMN keeps
+-- the index): the arguments hold while the index they name is the table's
+-- key and its column still has the name they give (pg_get_indexdef of one
+-- column reads the syscache). Otherwise (REPLICA IDENTITY FULL or NOTHING,
+-- a key changed or renamed since the trigger was made, a trigger from an
+-- older agent) the catalog answers, as it does for keys of several columns
+-- (checking every name would take a subquery). Plain SQL, so the planner
+-- inlines it.
 CREATE OR REPLACE FUNCTION mm.trigger_key_columns(p_rel oid, p_index text, p_cols text[]) RETURNS text[]
 LANGUAGE sql STABLE AS $fn$
-  SELECT CASE WHEN pg_catalog.pg_get_replica_identity_index(p_rel::pg_catalog.regclass)::pg_catalog.oid
-                   OPERATOR(pg_catalog.=) p_index::pg_catalog.oid
+  SELECT CASE WHEN pg_catalog.cardinality(p_cols) OPERATOR(pg_catalog.=) 1
+                   AND pg_catalog.pg_get_replica_identity_index(p_rel::pg_catalog.regclass)::pg_catalog.oid
+                       OPERATOR(pg_catalog.=) p_index::pg_catalog.oid
+                   AND pg_catalog.pg_get_indexdef(p_index::pg_catalog.oid, 1, false)
+                       OPERATOR(pg_catalog.=) pg_catalog.quote_ident(p_cols[1])
               THEN p_cols ELSE mm.key_columns(p_rel) END
 $fn$;
 
