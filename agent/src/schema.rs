@@ -100,8 +100,8 @@ pub async fn ensure(client: &Client, schemas: &[String]) -> Result<(), SchemaErr
 /// add-node created tables from the source's definitions. One table per
 /// transaction, so a table's lock is held only while its own triggers are
 /// made. A table whose triggers were made for another key and could not
-/// be made again within a second (a long transaction holds it) keeps them,
-/// correct but slower, and is named in the log.
+/// be made again within a second (a long transaction holds it) keeps them
+/// and is named in the log; a table dropped meanwhile is passed over.
 pub async fn install_triggers(client: &Client) -> Result<(), SchemaError> {
     let tables = client
         .query(
@@ -114,16 +114,29 @@ pub async fn install_triggers(client: &Client) -> Result<(), SchemaError> {
         .await?;
     for t in &tables {
         let (oid, name): (u32, String) = (t.try_get(0)?, t.try_get(1)?);
-        let current: bool = client
+        let current = match client
             .query_one("SELECT mm.install_tombstone_trigger($1)", &[&oid])
-            .await?
-            .try_get(0)?;
+            .await
+        {
+            Ok(row) => row.try_get::<_, bool>(0)?,
+            Err(e) => {
+                let gone = client
+                    .query_opt("SELECT 1 FROM pg_catalog.pg_class WHERE oid = $1", &[&oid])
+                    .await?
+                    .is_none();
+                if gone {
+                    continue;
+                }
+                return Err(e.into());
+            }
+        };
         if !current {
             tracing::warn!(
                 table = %name,
                 "the table's tombstone triggers were made for another key and could not be made again \
-                 within 1 s (a transaction holds the table); local deletes read the key from the \
-                 catalog (slower, correct) until the next start"
+                 within 1 s (a transaction holds the table): local deletes read the key from the \
+                 catalog, and updates that change the new key leave no tombstone of the old one, \
+                 until a start can make them again"
             );
         }
     }

@@ -357,6 +357,43 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
         before, again,
         "a start that finds the triggers current made them again"
     );
+    // A DELETE aimed at a partition takes no lock on its root, not even
+    // for a moment: a TRUNCATE or ALTER of the root holding it while it
+    // waits for the partition would deadlock with it.
+    c.batch_execute("INSERT INTO parted_1 VALUES (6, 'q')")
+        .await?;
+    let holder = pg.connect().await?;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE ONLY parted IN ACCESS EXCLUSIVE MODE")
+        .await?;
+    let deleted = c
+        .batch_execute("SET lock_timeout = '3s'; DELETE FROM parted_1 WHERE id = 6")
+        .await;
+    holder.batch_execute("COMMIT").await?;
+    c.batch_execute("RESET lock_timeout").await?;
+    anyhow::ensure!(
+        deleted.is_ok(),
+        "a DELETE on a partition waited for its root: {deleted:?}"
+    );
+    assert_eq!(keys("parted").await?, [r#"{"id": 5}"#, r#"{"id": 6}"#]);
+    // The event trigger installs in the user's session, whatever its
+    // settings (a backslash literal failed with standard_conforming_strings off).
+    // (A session of its own: a function is compiled once per session.)
+    pg.connect()
+        .await?
+        .batch_execute(
+            "SET standard_conforming_strings = off;
+             CREATE TABLE late_scs (id int PRIMARY KEY);",
+        )
+        .await?;
+    let made: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'late_scs'::regclass AND tgname LIKE 'mm\\_%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(made, 3, "a new table's agent triggers");
     // A renamed key column keeps its index (and the trigger's arguments
     // their old name): the delete is keyed by the column's name now.
     c.batch_execute(
@@ -399,13 +436,22 @@ async fn local_tombstones_follow_a_changed_key() -> Result<()> {
                    WHERE tgrelid = 'kv'::regclass AND tgname = 'mm_key_changes'";
     let def: String = c.query_one(watched, &[]).await?.get(0);
     anyhow::ensure!(def.contains("UPDATE OF id ON"), "{def}");
+    // That trigger still fires on the old key's column: a row whose key
+    // (v) did not change leaves no tombstone.
+    c.batch_execute("UPDATE kv SET id = 30 WHERE id = 3")
+        .await?;
+    assert_eq!(
+        keys("kv").await?,
+        [r#"{"id": 1}"#, r#"{"v": "b"}"#],
+        "an update that kept the row's key left a tombstone"
+    );
     other.batch_execute("COMMIT").await?;
     // The next start makes the triggers for the new key: an update that
     // moves a row's new key leaves the old key's tombstone.
     mm_agent::schema::ensure(&c, &["public".to_owned()]).await?;
     let def: String = c.query_one(watched, &[]).await?.get(0);
     anyhow::ensure!(def.contains("UPDATE OF v ON"), "{def}");
-    c.batch_execute("UPDATE kv SET v = 'z' WHERE id = 3")
+    c.batch_execute("UPDATE kv SET v = 'z' WHERE id = 30")
         .await?;
     assert_eq!(
         keys("kv").await?,

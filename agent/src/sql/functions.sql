@@ -18,14 +18,20 @@ LANGUAGE sql STABLE SET search_path = pg_catalog SET enable_seqscan = off AS $fn
    ORDER BY i.indisreplident DESC LIMIT 1
 $fn$;
 
--- The key index's columns, in the index's order; NULL without one.
-CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
+-- An index's columns, in the index's order; NULL for no index.
+CREATE OR REPLACE FUNCTION mm.index_columns(p_index oid) RETURNS text[]
 LANGUAGE sql STABLE SET search_path = pg_catalog SET enable_seqscan = off AS $fn$
   SELECT ARRAY(SELECT a.attname::text FROM pg_attribute a
                 WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
                 ORDER BY array_position(i.indkey::int2[], a.attnum))
     FROM pg_index i
-   WHERE i.indexrelid = mm.key_index(p_rel)
+   WHERE i.indexrelid = p_index
+$fn$;
+
+-- The key index's columns; NULL without one.
+CREATE OR REPLACE FUNCTION mm.key_columns(p_rel oid) RETURNS text[]
+LANGUAGE sql STABLE SET search_path = pg_catalog AS $fn$
+  SELECT mm.index_columns(mm.key_index(p_rel))
 $fn$;
 
 -- The key columns a tombstone trigger records. mm.install_tombstone_trigger
@@ -109,20 +115,33 @@ SET IntervalStyle = 'postgres' SET extra_float_digits = 3 AS $fn$
 #variable_conflict use_variable
 DECLARE
   root oid := coalesce(pg_partition_root(TG_RELID), TG_RELID);
-  cols text[] := mm.trigger_key_columns(root, TG_ARGV[0], TG_ARGV[1:]);
+  -- A partition's row asks the catalog: pg_get_replica_identity_index
+  -- opens the table it is given, and a DELETE aimed at a partition must not
+  -- lock the root (a TRUNCATE or ALTER of the root holds it while it waits
+  -- for the partition: a deadlock).
+  cols text[] := CASE WHEN root = TG_RELID THEN mm.trigger_key_columns(root, TG_ARGV[0], TG_ARGV[1:])
+                      ELSE mm.key_columns(root) END;
+  old_key jsonb;
 BEGIN
   IF cols IS NULL THEN
     RETURN NULL;
   END IF;
   IF cardinality(cols) = 1 THEN
-    INSERT INTO mm.tombstones (relid, key)
-    SELECT root, jsonb_build_object(cols[1], to_jsonb(OLD.*) -> cols[1])
-    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+    old_key := jsonb_build_object(cols[1], to_jsonb(OLD.*) -> cols[1]);
   ELSE
-    INSERT INTO mm.tombstones (relid, key)
-    SELECT root, (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols))
-    ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
+    old_key := (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(OLD.*)) e WHERE e.key = ANY (cols));
   END IF;
+  -- An UPDATE fires this only when a column of the key it was made for
+  -- changed; if the key has changed since (the trigger is made again at
+  -- the next start), the row may still have its key: no tombstone then.
+  IF TG_OP = 'UPDATE' AND old_key = (CASE WHEN cardinality(cols) = 1
+                                          THEN jsonb_build_object(cols[1], to_jsonb(NEW.*) -> cols[1])
+                                          ELSE (SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(to_jsonb(NEW.*)) e
+                                                 WHERE e.key = ANY (cols)) END) THEN
+    RETURN NULL;
+  END IF;
+  INSERT INTO mm.tombstones (relid, key) VALUES (root, old_key)
+  ON CONFLICT (relid, pg_catalog.jsonb_hash_extended(key, 0), key) DO UPDATE SET relid = EXCLUDED.relid;
   RETURN NULL;
 END
 $fn$;
@@ -132,9 +151,11 @@ $fn$;
 -- trigger waits for its table's lock as long as it takes: without it local
 -- deletes leave no tombstone. Making one again waits at most a second: the
 -- lock (SHARE ROW EXCLUSIVE) would queue every write to the table behind
--- the longest transaction open on it, and the existing trigger is correct
--- meanwhile (mm.trigger_key_columns falls back to the catalog). False when
--- it was left as it was.
+-- the longest transaction open on it. Meanwhile the delete trigger stays
+-- correct (mm.trigger_key_columns falls back to the catalog); a key-change
+-- trigger made for other columns misses updates of the new key's columns
+-- until a start can make it again, as after any ALTER that changes a key
+-- (DDL is not followed between starts). False when it was left as it was.
 CREATE OR REPLACE FUNCTION mm.make_trigger(p_rel oid, p_name text, p_ddl text) RETURNS boolean
 LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
 #variable_conflict use_variable
@@ -167,7 +188,9 @@ LANGUAGE plpgsql SET search_path = pg_catalog AS $fn$
 DECLARE
   parted boolean := (SELECT relkind = 'p' FROM pg_class WHERE oid = p_rel);
   idx oid := mm.key_index(p_rel);
-  cols text[] := mm.key_columns(p_rel);
+  -- The index's own columns, not mm.key_columns: the key could change
+  -- between two lookups, and the arguments must describe one index.
+  cols text[] := mm.index_columns(idx);
   -- The arguments mm.trigger_key_columns reads: the key index, its columns.
   args text[] := CASE WHEN cols IS NULL THEN '{}'::text[] ELSE idx::text || cols END;
   arglist text := (SELECT string_agg(quote_literal(a), ', ' ORDER BY o)
@@ -176,10 +199,13 @@ DECLARE
   -- key (or by an older agent) from a current one: only those are made
   -- again, so an agent's start takes no lock on a table whose triggers
   -- are current.
-  stored bytea := coalesce((SELECT string_agg(convert_to(a, getdatabaseencoding()) || '\x00'::bytea, ''::bytea ORDER BY o)
+  stored bytea := coalesce((SELECT string_agg(convert_to(a, getdatabaseencoding()) || decode('00', 'hex'), ''::bytea ORDER BY o)
                               FROM unnest(args) WITH ORDINALITY u(a, o)), ''::bytea);
   current boolean := true;
 BEGIN
+  IF parted IS NULL THEN
+    RETURN true;  -- dropped since it was listed
+  END IF;
   -- An older agent put a statement trigger on partitioned roots too.
   IF parted AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_tombstones'
                                                    AND tgtype & 1 = 0) THEN
@@ -208,15 +234,16 @@ BEGIN
   -- function call, so updates that keep the key cost nothing. Rows moving
   -- between partitions fire the delete trigger instead. Made again when
   -- the key changed: its column list is the key's.
-  IF cols IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes'
-                                                                AND tgargs = stored) THEN
+  IF current AND cols IS NOT NULL
+     AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = p_rel AND tgname = 'mm_key_changes'
+                                              AND tgargs = stored) THEN
     current := mm.make_trigger(p_rel, 'mm_key_changes',
       format('CREATE OR REPLACE TRIGGER mm_key_changes AFTER UPDATE OF %s ON %s FOR EACH ROW WHEN (%s) '
              'EXECUTE FUNCTION mm.record_local_delete_row(%s)',
              (SELECT string_agg(quote_ident(k), ', ') FROM unnest(cols) k),
              p_rel::regclass,
              (SELECT string_agg(format('OLD.%I IS DISTINCT FROM NEW.%I', k, k), ' OR ') FROM unnest(cols) k),
-             arglist)) AND current;
+             arglist));
   END IF;
   RETURN current;
 END
