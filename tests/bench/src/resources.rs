@@ -24,11 +24,21 @@ pub struct Resources {
     pub apply_cpu: f64,
     /// The publisher's walsender(s) for this stream.
     pub walsender_cpu: f64,
+    /// The other direction, which a two-way system runs while it applies:
+    /// the subscriber's walsenders (decoding every applied row only to drop
+    /// it by origin), the publisher's agent (mm) and apply backends. They
+    /// share the machine's cores with the stream measured.
+    pub reverse_cpu: f64,
 }
 
 /// b's subscription to a (see `System::native`).
 pub(crate) fn native_sub(sys: &System) -> String {
     format!("s_from_{}", sys.a().name().replace('-', "_"))
+}
+
+/// a's subscription to b: the other direction.
+fn native_reverse_sub(sys: &System) -> String {
+    format!("s_from_{}", sys.b().name().replace('-', "_"))
 }
 
 /// Samples CPU time and RSS of the processes of one measurement every 50 ms.
@@ -122,34 +132,44 @@ impl Sampler {
         // backends and the publisher's walsenders; the last two are found
         // again every round (parallel apply workers and walsenders come and
         // go), over a connection per node owned by the task.
-        let agent: Vec<u32> = match sys.kind {
-            Kind::Native => Vec::new(),
-            Kind::Mm => sys
-                .agents()
-                .get(1)
-                .and_then(|a| a.pid())
-                .into_iter()
-                .collect(),
+        let agent_pid = |i: usize| -> Vec<u32> {
+            match sys.kind {
+                Kind::Native => Vec::new(),
+                Kind::Mm => sys
+                    .agents()
+                    .get(i)
+                    .and_then(|a| a.pid())
+                    .into_iter()
+                    .collect(),
+            }
         };
+        let (agent, rev_agent) = (agent_pid(1), agent_pid(0));
         let b = sys.b().connect().await?;
         let a = sys.a().connect().await?;
         let kind = sys.kind;
         let sub = native_sub(sys);
         let apply_sql = apply_pids_sql(kind, &sub);
+        let rev_apply_sql = apply_pids_sql(kind, &native_reverse_sub(sys));
         let wal_sql = "SELECT pid::text FROM pg_stat_replication";
         let apply = simple_pids(&b, &apply_sql).await?;
         let wal = simple_pids(&a, wal_sql).await?;
+        let rev = reverse_pids(&a, &b, &rev_apply_sql, &rev_agent).await?;
         let flag = Arc::clone(&stop);
         let task = tokio::spawn(async move {
             let since = uptime();
-            let (mut ag, mut ap, mut ws) =
-                (CpuSum::new(since), CpuSum::new(since), CpuSum::new(since));
-            let (mut apply, mut wal) = (apply, wal);
+            let (mut ag, mut ap, mut ws, mut rv) = (
+                CpuSum::new(since),
+                CpuSum::new(since),
+                CpuSum::new(since),
+                CpuSum::new(since),
+            );
+            let (mut apply, mut wal, mut rev) = (apply, wal, rev);
             let mut peak = 0u64;
             loop {
                 ag.observe(&agent);
                 ap.observe(&apply);
                 ws.observe(&wal);
+                rv.observe(&rev);
                 for &p in &agent {
                     peak = peak.max(rss_bytes(p).unwrap_or(0));
                 }
@@ -160,12 +180,16 @@ impl Sampler {
                 // Every round: a catch-up may last less than 100 ms.
                 apply = simple_pids(&b, &apply_sql).await.unwrap_or(apply);
                 wal = simple_pids(&a, wal_sql).await.unwrap_or(wal);
+                rev = reverse_pids(&a, &b, &rev_apply_sql, &rev_agent)
+                    .await
+                    .unwrap_or(rev);
             }
             Ok(Resources {
                 agent_cpu: ag.total(),
                 agent_peak_rss: peak,
                 apply_cpu: ap.total(),
                 walsender_cpu: ws.total(),
+                reverse_cpu: rv.total(),
             })
         });
         Ok(Sampler { stop, task })
@@ -175,6 +199,20 @@ impl Sampler {
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.context("resource sampler")?
     }
+}
+
+/// The other direction's processes: b's walsenders, a's apply backends and
+/// a's agent.
+async fn reverse_pids(
+    a: &tokio_postgres::Client,
+    b: &tokio_postgres::Client,
+    apply_sql: &str,
+    agent: &[u32],
+) -> Result<Vec<u32>> {
+    let mut pids = simple_pids(b, "SELECT pid::text FROM pg_stat_replication").await?;
+    pids.extend(simple_pids(a, apply_sql).await?);
+    pids.extend_from_slice(agent);
+    Ok(pids)
 }
 
 async fn simple_pids(c: &tokio_postgres::Client, sql: &str) -> Result<Vec<u32>> {

@@ -324,7 +324,7 @@ impl Row {
 fn print_measured(label: &str, m: &Measured) {
     println!(
         "  {label:<6} rows {:>8}  publisher done {:>7.2} s  subscriber has all {:>7.2} s  {:>9.0} rows/s \
-         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | agent peak rss {:.0} MB",
         m.rows,
         m.load.as_secs_f64(),
         m.total.as_secs_f64(),
@@ -332,22 +332,27 @@ fn print_measured(label: &str, m: &Measured) {
         m.res.agent_cpu,
         m.res.apply_cpu,
         m.res.walsender_cpu,
+        m.res.reverse_cpu,
         m.res.agent_peak_rss as f64 / 1e6
     );
 }
 
-/// CPU seconds as "apply+walsender" (native) or "agent+apply+walsender"
-/// (mm), and the agent's peak RSS in MB, as table cells.
+/// CPU seconds as "apply+walsender (reverse)" (native) or
+/// "agent+apply+walsender (reverse)" (mm), and the agent's peak RSS in MB,
+/// as table cells. Reverse: the other direction's processes (`Resources`).
 fn resource_cells(native: Option<&Resources>, mm: Option<&Resources>) -> [String; 3] {
     let dash = || "-".to_owned();
     [
         native.map_or_else(dash, |r| {
-            format!("{:.1}+{:.1}", r.apply_cpu, r.walsender_cpu)
+            format!(
+                "{:.1}+{:.1} ({:.1})",
+                r.apply_cpu, r.walsender_cpu, r.reverse_cpu
+            )
         }),
         mm.map_or_else(dash, |r| {
             format!(
-                "{:.1}+{:.1}+{:.1}",
-                r.agent_cpu, r.apply_cpu, r.walsender_cpu
+                "{:.1}+{:.1}+{:.1} ({:.1})",
+                r.agent_cpu, r.apply_cpu, r.walsender_cpu, r.reverse_cpu
             )
         }),
         mm.map_or_else(dash, |r| format!("{:.0}", r.agent_peak_rss as f64 / 1e6)),
@@ -415,10 +420,11 @@ fn print_tpcb(label: &str, t: &TpcbResult) {
         d.p50, d.p95, d.p99, d.max, d.n
     );
     println!(
-        "         cpu s A->B: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
+        "         cpu s A->B: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | agent peak rss {:.0} MB",
         t.res.agent_cpu,
         t.res.apply_cpu,
         t.res.walsender_cpu,
+        t.res.reverse_cpu,
         t.res.agent_peak_rss as f64 / 1e6
     );
 }
@@ -491,7 +497,7 @@ fn conflicts_markdown(args: &Args, runs: &[(String, ConflictResult)]) -> String 
         args.conflict_heartbeat_ms,
         k = args.conflict_keys,
     );
-    s.push_str("| keys | system | writers txns/s | converged s | txns/s to converged | lag p50 / p95 / max ms | conflicts | conflict rate | routine | sum(n) A / B | end state | cpu s A->B: native apply+wal / mm agent+apply+wal |\n");
+    s.push_str("| keys | system | writers txns/s | converged s | txns/s to converged | lag p50 / p95 / max ms | conflicts | conflict rate | routine | sum(n) A / B | end state | cpu s A->B: native apply+wal (reverse) / mm agent+apply+wal (reverse) |\n");
     s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n");
     for keys in [KeySet::Disjoint, KeySet::Hot] {
         let of = |label: &str| {
@@ -554,7 +560,7 @@ fn markdown(
     if !rows.is_empty() {
         s.push_str(
             "| workload | rows | native s | native rows/s | mm s | mm rows/s | mm/native \
-             | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n",
+             | cpu s native apply+wal (reverse) | cpu s mm agent+apply+wal (reverse) | mm agent peak RSS MB |\n",
         );
         s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for r in rows {
@@ -585,7 +591,7 @@ fn markdown(
             args.heartbeat_ms,
             args.sample_ms
         ));
-        s.push_str("| system | rate/node | tps A+B | staleness p50 / p95 / p99 / max ms | delivery p50 / p95 / p99 ms | idle staleness p50 ms | drain s | cpu s A->B: native apply+wal / mm agent+apply+wal | mm agent peak RSS MB |\n");
+        s.push_str("| system | rate/node | tps A+B | staleness p50 / p95 / p99 / max ms | delivery p50 / p95 / p99 ms | idle staleness p50 ms | drain s | cpu s A->B: native apply+wal (reverse) / mm agent+apply+wal (reverse) | mm agent peak RSS MB |\n");
         s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (label, rate, t) in tpcb {
             let st = lag(&t.load.staleness);
@@ -621,7 +627,7 @@ fn markdown(
 fn print_backlog(label: &str, b: &Backlog) {
     println!(
         "  {label:>6}: {} rows in {} txns committed in {:.2} s; caught up in {:.2} s = {:.0} rows/s \
-         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2} | agent peak rss {:.0} MB",
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | agent peak rss {:.0} MB",
         b.rows,
         b.txns,
         b.load.as_secs_f64(),
@@ -630,6 +636,7 @@ fn print_backlog(label: &str, b: &Backlog) {
         b.res.agent_cpu,
         b.res.apply_cpu,
         b.res.walsender_cpu,
+        b.res.reverse_cpu,
         b.res.agent_peak_rss as f64 / 1e6
     );
 }
@@ -641,7 +648,7 @@ fn print_backlog(label: &str, b: &Backlog) {
 fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
     let mut s = String::from(
         "Backlog catch-up (stream stopped, backlog committed on A, stream started; time until B has everything):\n\n\
-         | shape | rows | txns | runs | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal | cpu s mm agent+apply+wal | mm agent peak RSS MB |\n\
+         | shape | rows | txns | runs | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal (reverse) | cpu s mm agent+apply+wal (reverse) | mm agent peak RSS MB |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for shape in Shape::ALL {
