@@ -29,6 +29,10 @@ pub struct Resources {
     /// it by origin), the publisher's agent (mm) and apply backends. They
     /// share the machine's cores with the stream measured.
     pub reverse_cpu: f64,
+    /// Cores the whole machine kept busy on average over the window (from
+    /// /proc/stat): near the core count, the run was bound by CPU, and its
+    /// ratio is one of CPU per row, not of waiting.
+    pub busy_cores: f64,
 }
 
 /// b's subscription to a (see `System::native`).
@@ -78,6 +82,31 @@ fn uptime() -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// (busy, total) jiffies of all CPUs together since boot: busy is all but
+/// idle and iowait.
+fn machine_jiffies() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
+    let f: Vec<u64> = cpu
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let total: u64 = f.iter().take(8).sum();
+    let idle = f.get(3)? + f.get(4)?;
+    Some((total - idle, total))
+}
+
+/// Average busy cores between two `machine_jiffies` readings.
+fn busy_cores(start: Option<(u64, u64)>, end: Option<(u64, u64)>) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    match (start, end) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
+            (b1.saturating_sub(b0)) as f64 / (t1 - t0) as f64 * cores
+        }
+        _ => 0.0,
+    }
 }
 
 fn rss_bytes(pid: u32) -> Option<u64> {
@@ -157,6 +186,7 @@ impl Sampler {
         let flag = Arc::clone(&stop);
         let task = tokio::spawn(async move {
             let since = uptime();
+            let machine_start = machine_jiffies();
             let (mut ag, mut ap, mut ws, mut rv) = (
                 CpuSum::new(since),
                 CpuSum::new(since),
@@ -190,6 +220,7 @@ impl Sampler {
                 apply_cpu: ap.total(),
                 walsender_cpu: ws.total(),
                 reverse_cpu: rv.total(),
+                busy_cores: busy_cores(machine_start, machine_jiffies()),
             })
         });
         Ok(Sampler { stop, task })

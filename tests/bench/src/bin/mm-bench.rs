@@ -324,7 +324,7 @@ impl Row {
 fn print_measured(label: &str, m: &Measured) {
     println!(
         "  {label:<6} rows {:>8}  publisher done {:>7.2} s  subscriber has all {:>7.2} s  {:>9.0} rows/s \
-         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | agent peak rss {:.0} MB",
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | busy cores {:.2} | agent peak rss {:.0} MB",
         m.rows,
         m.load.as_secs_f64(),
         m.total.as_secs_f64(),
@@ -333,6 +333,7 @@ fn print_measured(label: &str, m: &Measured) {
         m.res.apply_cpu,
         m.res.walsender_cpu,
         m.res.reverse_cpu,
+        m.res.busy_cores,
         m.res.agent_peak_rss as f64 / 1e6
     );
 }
@@ -627,7 +628,7 @@ fn markdown(
 fn print_backlog(label: &str, b: &Backlog) {
     println!(
         "  {label:>6}: {} rows in {} txns committed in {:.2} s; caught up in {:.2} s = {:.0} rows/s \
-         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | agent peak rss {:.0} MB",
+         | cpu s: agent {:.2}, apply backends {:.2}, walsender {:.2}, reverse {:.2} | busy cores {:.2} | agent peak rss {:.0} MB",
         b.rows,
         b.txns,
         b.load.as_secs_f64(),
@@ -637,6 +638,7 @@ fn print_backlog(label: &str, b: &Backlog) {
         b.res.apply_cpu,
         b.res.walsender_cpu,
         b.res.reverse_cpu,
+        b.res.busy_cores,
         b.res.agent_peak_rss as f64 / 1e6
     );
 }
@@ -648,8 +650,8 @@ fn print_backlog(label: &str, b: &Backlog) {
 fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
     let mut s = String::from(
         "Backlog catch-up (stream stopped, backlog committed on A, stream started; time until B has everything):\n\n\
-         | shape | rows | txns | runs | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal (reverse) | cpu s mm agent+apply+wal (reverse) | mm agent peak RSS MB |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | shape | rows | txns | runs | native s | native rows/s | mm s | mm rows/s | mm/native | cpu s native apply+wal (reverse) | cpu s mm agent+apply+wal (reverse) | busy cores native / mm | mm agent peak RSS MB |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for shape in Shape::ALL {
         let all = |l: &str| -> Vec<Backlog> {
@@ -683,8 +685,11 @@ fn backlog_markdown(runs: &[(String, Backlog)]) -> String {
         };
         let [ncpu, mcpu, rss] =
             resource_cells(n.as_ref().map(|b| &b.res), m.as_ref().map(|b| &b.res));
+        let busy =
+            |b: Option<Backlog>| b.map_or("-".to_owned(), |b| format!("{:.1}", b.res.busy_cores));
+        let busy = format!("{} / {}", busy(n), busy(m));
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {nsec} | {nr} | {msec} | {mr} | {ratio} | {ncpu} | {mcpu} | {rss} |\n",
+            "| {} | {} | {} | {} | {nsec} | {nr} | {msec} | {mr} | {ratio} | {ncpu} | {mcpu} | {busy} | {rss} |\n",
             shape.label(),
             any.rows,
             any.txns,
