@@ -60,6 +60,15 @@ $fn$;
 -- statement, not per row) over the transition table. It does not fire in the
 -- agent's apply sessions (session_replication_role = replica): remote deletes
 -- write their tombstones themselves.
+--
+-- The tombstone is an upsert, although a plain INSERT would write one WAL
+-- record fewer per DELETE (the publisher's walsender pays a system call
+-- per record it reads: ARCHITECTURE.md, "Apply throughput"). A key whose
+-- tombstone exists, or is being written by an apply session (a remote
+-- delete of a row this transaction inserted and now deletes), would fail
+-- the user's DELETE with a unique violation, where the upsert waits and
+-- raises the tombstone's version. Catching that in a plpgsql EXCEPTION
+-- block would give every DELETE statement a subtransaction.
 CREATE OR REPLACE FUNCTION mm.record_local_deletes() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog SET TimeZone = 'UTC' SET DateStyle = 'ISO'

@@ -502,9 +502,9 @@ impl Receiver<'_> {
 }
 
 /// Far behind its publisher (a backlog: a pause, a restart, a burst), the
-/// stream reads the socket only when its receive window has closed
-/// (`READ_BATCH`, above the connection's locked receive buffer) instead of
-/// per message as they arrive. Draining as fast as the walsender writes
+/// stream reads the socket only once `READ_BATCH` bytes are there (or its
+/// receive window has closed, or the connection's batch wait passed)
+/// instead of per message as they arrive. Draining as fast as the walsender writes
 /// woke this process once per message, and with the window always open the
 /// walsender sent every message as a segment of its own, on the cores it
 /// shares with the apply backend (ARCHITECTURE, "Apply throughput"). Near
@@ -532,9 +532,10 @@ fn publisher_known(probed: Option<Lsn>, at_start: Lsn) -> Option<Lsn> {
 /// Behind by more than this (the publisher's WAL position, probed every
 /// second by `lag.rs`), reads are batched.
 const BATCH_BEHIND: u64 = 4 << 20;
-/// The low-water mark of batched reads: above the connection's receive
-/// buffer, so the kernel wakes the reader when the window closes (or the
-/// connection's batch wait passes).
+/// The low-water mark of batched reads: half the receive buffer the
+/// connection asks for (`BATCH_RCVBUF` in mm-proto, doubled by the kernel);
+/// where `net.core.rmem_max` grants less, above it, and the kernel then
+/// wakes the reader when the window closes.
 const READ_BATCH: usize = 1 << 20;
 
 #[cfg(test)]

@@ -44,18 +44,22 @@ const MIN_READ_ROOM: usize = 8 * 1024;
 const BATCH_WAIT: Duration = Duration::from_millis(5);
 
 /// The receive buffer of a socket read in batches (`SO_RCVBUF`, locked;
-/// the kernel doubles it): the sender's window.
+/// the kernel caps it at `net.core.rmem_max`, then doubles it).
 ///
-/// Why small: a walsender writes and flushes every message, and while the
-/// receiver's window is open each write leaves as a segment of its own,
-/// which the walsender then carries through the loopback stack itself.
-/// With the window closed its writes append to the last unsent segment
-/// instead. Measured on 100k single-row UPDATE transactions (19.8 MB):
-/// native's walsender sent 450-5,000 segments of 4-44 KB (its apply worker
-/// reads slowly, its buffer stays small and full), ours 67-107k segments
-/// of 185-290 bytes into an autotuned 1.5 MB buffer that never filled,
-/// at twice native's walsender CPU (1.1-1.2 s against 0.5-0.6).
-const BATCH_RCVBUF: usize = 64 * 1024;
+/// A walsender writes and flushes every message, and each write that
+/// leaves as a TCP segment of its own the walsender carries through the
+/// whole loopback stack itself: its CPU follows the number of segments,
+/// not the bytes. Read message by message as they arrived, every message
+/// left alone. Measured on 100k single-row INSERT transactions in a
+/// backlog (~20 MB), with the stream's 1 MiB read mark: at 64 KiB here
+/// (128 KiB granted) the walsender sent 76k segments of 261 bytes on
+/// average, at 1 MiB (2 MiB granted) 15k of 1.1 KB; its CPU for
+/// single-row INSERT, UPDATE and DELETE backlogs went from 0.59-1.21 s
+/// (above 0.85 in most runs) to 0.60-0.82 s. With `net.core.rmem_max` at
+/// its default (212992, so 416 KiB granted) runs went either way, as with
+/// 256 KiB asked for (512 granted): operators set it to at least 1 MiB
+/// (README, "Node prerequisites").
+const BATCH_RCVBUF: usize = 1024 * 1024;
 
 /// The receive low-water mark (`SO_RCVLOWAT`) of a TCP connection's socket.
 struct ReadBatch {
@@ -171,8 +175,8 @@ impl Connection {
     /// arrives). While the mark is up, the kernel neither wakes this process
     /// nor makes the sender pay for a wakeup until that much is buffered
     /// or the receive window is closed (Linux wakes a reader whose window
-    /// is down to one segment, whatever its mark: a mark above the
-    /// `BATCH_RCVBUF` buffer means "when the window closes"). A read still
+    /// is down to one segment, whatever its mark; see `BATCH_RCVBUF`). A
+    /// read still
     /// returns within `BATCH_WAIT` with whatever arrived, so a trickle is
     /// only delayed, never stuck. Does nothing on a Unix socket.
     pub fn set_read_batch(&mut self, bytes: usize) {
@@ -472,12 +476,12 @@ mod tests {
         frame
     }
 
-    /// With batched reads asked for on a real TCP socket (a mark above the
-    /// locked receive buffer, as the stream asks), a message smaller than
-    /// the mark still arrives (within `BATCH_WAIT`, not never), a burst
-    /// many times the buffer arrives whole and in order (the kernel wakes
-    /// the reader when the window closes), and turning batching off goes
-    /// back to plain reads.
+    /// With batched reads asked for on a real TCP socket (1 MiB, as the
+    /// stream asks), the receive buffer is locked at `BATCH_RCVBUF` (as
+    /// far as `net.core.rmem_max` allows), a message smaller than the mark
+    /// still arrives (within `BATCH_WAIT`, not never), a burst many times
+    /// the buffer arrives whole and in order, and turning batching off
+    /// goes back to plain reads.
     #[tokio::test]
     async fn batched_reads_never_hold_back_a_small_message() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -500,9 +504,19 @@ mod tests {
         }
         assert!(conn.batch.as_ref().is_some_and(|b| b.want > 0));
         let locked = super::sockopt::rcvbuf(fd).unwrap();
-        assert_eq!(locked, 2 * BATCH_RCVBUF, "buffer {before} -> {locked}");
+        // The kernel caps SO_RCVBUF at net.core.rmem_max, then doubles it.
+        let rmem_max: usize = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            locked,
+            2 * BATCH_RCVBUF.min(rmem_max),
+            "buffer {before} -> {locked}"
+        );
 
-        let frames = 2000usize;
+        let frames = 3 * locked / 1000;
         let writer = tokio::spawn(async move {
             let burst: Vec<u8> = (0..frames).flat_map(|i| frame_of(i as u8, 1000)).collect();
             server.write_all(&burst).await.unwrap();
