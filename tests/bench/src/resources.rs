@@ -2,7 +2,9 @@
 //! sampled from /proc every 50 ms while it runs: the subscriber's agent
 //! (mm), the subscriber's apply backends (mm: the agent's sessions; native:
 //! the apply worker and its parallel workers) and the publisher's
-//! walsenders. Shared by the live workloads and the backlog catch-up.
+//! walsenders; apart, the other direction's (the subscriber's walsenders,
+//! the publisher's agent and apply backends); and the whole machine's busy
+//! cores. Shared by the live workloads and the backlog catch-up.
 
 use std::collections::HashMap;
 use std::sync::Arc;
