@@ -55,10 +55,10 @@ const BATCH_WAIT: Duration = Duration::from_millis(5);
 /// (128 KiB granted) the walsender sent 76k segments of 261 bytes on
 /// average, at 1 MiB (2 MiB granted) 15k of 1.1 KB; its CPU for
 /// single-row INSERT, UPDATE and DELETE backlogs went from 0.59-1.21 s
-/// (above 0.85 in most runs) to 0.60-0.82 s. With `net.core.rmem_max` at
-/// its default (212992, so 416 KiB granted) runs went either way, as with
-/// 256 KiB asked for (512 granted): operators set it to at least 1 MiB
-/// (README, "Node prerequisites").
+/// (above 0.85 in most runs) to 0.60-0.83 s (34 runs of 35). With
+/// `net.core.rmem_max` at its default (212992, so 416 KiB granted) runs
+/// went either way, as with 256 KiB asked for (512 granted): operators
+/// set it to at least 1 MiB (README, "Node prerequisites").
 const BATCH_RCVBUF: usize = 1024 * 1024;
 
 /// The receive low-water mark (`SO_RCVLOWAT`) of a TCP connection's socket.
