@@ -4,7 +4,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 
 use crate::agent::{AgentProcess, MmctlOutput, Secrets, mmctl};
 use crate::{PgNode, PgOptions};
@@ -178,6 +178,165 @@ impl TestCluster {
     /// Runs a query on node `i` and returns the rows as text.
     pub async fn rows(&self, i: usize, sql: &str) -> Result<Rows> {
         self.pg[i].query_strings(sql).await
+    }
+
+    /// The one value of `sql` on node `i`, as an integer.
+    pub async fn value(&self, i: usize, sql: &str) -> Result<i64> {
+        let r = self.rows(i, sql).await?;
+        let v = r
+            .first()
+            .and_then(|row| row.first().cloned())
+            .flatten()
+            .with_context(|| format!("{sql}: no value"))?;
+        v.parse().with_context(|| format!("{sql}: {v}"))
+    }
+
+    /// Runs each statement as its own transaction on node `i`.
+    pub async fn run_each(&self, i: usize, stmts: &[String]) -> Result<()> {
+        let client = self.pg[i].connect().await?;
+        for s in stmts {
+            client.batch_execute(s).await.with_context(|| s.clone())?;
+        }
+        Ok(())
+    }
+
+    /// 3000 single-row transactions on node 0 (inserts of ids 1..2000 into
+    /// `items (id, v)`, updates of 1..600, deletes of 1501..1900 but 1888)
+    /// wait behind paused streams; node 1 wrote two of the inserted keys
+    /// earlier. After resuming: identical nodes with node 0's newer rows,
+    /// exactly two conflicts on node 1, every transaction counted once by
+    /// the stream `from` -> `to` and in its progress row. Returns the rows.
+    pub async fn a_backlog_with_two_conflicts(&self, from: &str, to: &str) -> Result<Rows> {
+        let applied = |s: &serde_json::Value| {
+            s.get("applied_txns")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(0)
+        };
+        self.pause(from, to).await?;
+        self.pause(to, from).await?;
+        // Older than the publisher's inserts of the same keys: they lose.
+        self.run_each(
+            1,
+            &[
+                "INSERT INTO items VALUES (777, -1)".to_owned(),
+                "INSERT INTO items VALUES (1888, -1)".to_owned(),
+            ],
+        )
+        .await?;
+        let before = applied(&self.stream_status(from, to).await?);
+        let mut stmts: Vec<String> = (1..=2000)
+            .map(|id| format!("INSERT INTO items VALUES ({id}, {id})"))
+            .collect();
+        stmts.extend((1..=600).map(|id| format!("UPDATE items SET v = v + 1 WHERE id = {id}")));
+        stmts.extend(
+            (1501..=1900)
+                .filter(|id| *id != 1888)
+                .map(|id| format!("DELETE FROM items WHERE id = {id}")),
+        );
+        self.run_each(0, &stmts).await?;
+        self.resume(from, to).await?;
+        self.resume(to, from).await?;
+        self.wait_sync(120).await?;
+
+        let rows = self
+            .assert_same("SELECT id, v FROM items ORDER BY id")
+            .await?;
+        // 2000 inserted, 399 deleted (1888 kept, 1900 included).
+        ensure!(rows.len() == 1601, "{} rows", rows.len());
+        for (id, v) in [(777, 777), (1888, 1888), (5, 6), (601, 601)] {
+            let got = self
+                .value(1, &format!("SELECT v FROM items WHERE id = {id}"))
+                .await?;
+            ensure!(got == v, "id {id}: v = {got}, want {v}");
+        }
+        let conflicts = self
+            .value(1, "SELECT count(*) FROM mm.conflict_log")
+            .await?;
+        ensure!(
+            conflicts == 2,
+            "{conflicts} conflicts logged on {to}, want 2"
+        );
+        // Every remote transaction counted once (the two of the subscriber
+        // are counted by the other stream).
+        let after = applied(&self.stream_status(from, to).await?);
+        let n = stmts.len() as u64;
+        ensure!(
+            after - before == n,
+            "status counts {} applied transactions, want {n}",
+            after - before
+        );
+        let stored = self
+            .value(
+                1,
+                &format!("SELECT applied_txns FROM mm.apply_progress WHERE origin LIKE '%{from}%'"),
+            )
+            .await?;
+        ensure!(stored as u64 >= n, "progress counts {stored}, want >= {n}");
+        Ok(rows)
+    }
+
+    /// A CHECK constraint only node 1 has (`v <> 25` on `items (id, v)`)
+    /// stops the stream from node 0 at the row that violates it, in the
+    /// middle of a backlog of 50 single-row INSERT transactions (paused
+    /// stream `from` -> `to`): the error must name that transaction, the
+    /// 24 before it must be applied and none after it; once the
+    /// constraint is dropped, all 50 are, and the nodes are identical.
+    pub async fn an_error_in_a_backlog_names_its_transaction(
+        &self,
+        from: &str,
+        to: &str,
+    ) -> Result<()> {
+        self.pg[1]
+            .execute("ALTER TABLE items ADD CONSTRAINT not_25 CHECK (v <> 25)")
+            .await?;
+        self.pause(from, to).await?;
+        let writer = self.pg[0].connect().await?;
+        let mut failing = String::new();
+        for id in 1..=50 {
+            let row = writer
+                .query_one(
+                    &format!("INSERT INTO items VALUES ({id}, {id}) RETURNING xmin::text"),
+                    &[],
+                )
+                .await?;
+            if id == 25 {
+                failing = row.get(0);
+            }
+        }
+        self.resume(from, to).await?;
+        let s = self
+            .wait_stream(from, to, "error", &["not_25"], Duration::from_secs(60))
+            .await?;
+        let err = s["last_error"].as_str().unwrap_or_default().to_owned();
+        ensure!(
+            err.contains(&format!("transaction {failing} ")),
+            "the error does not name transaction {failing}: {err}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = self
+            .value(1, "SELECT count(*) FROM items WHERE id < 25")
+            .await?;
+        let after = self
+            .value(1, "SELECT count(*) FROM items WHERE id >= 25")
+            .await?;
+        ensure!(
+            before == 24 && after == 0,
+            "{before} of the 24 transactions before the failed one applied, {after} from it on"
+        );
+        self.pg[1]
+            .execute("ALTER TABLE items DROP CONSTRAINT not_25")
+            .await?;
+        self.wait_for(
+            1,
+            "SELECT count(*) FROM items",
+            "50",
+            Duration::from_secs(60),
+        )
+        .await?;
+        self.wait_sync(60).await?;
+        self.assert_same("SELECT id, v FROM items ORDER BY id")
+            .await?;
+        Ok(())
     }
 
     /// The rows of `sql` on every node; fails (showing both) unless all equal.

@@ -33,25 +33,6 @@ async fn grouping(names: &[&str], more_toml: &str) -> Result<TestCluster> {
     .await
 }
 
-async fn one(c: &TestCluster, i: usize, sql: &str) -> Result<i64> {
-    let r = c.rows(i, sql).await?;
-    let v = r
-        .first()
-        .and_then(|row| row.first().cloned())
-        .flatten()
-        .with_context(|| format!("{sql}: no value"))?;
-    v.parse().with_context(|| format!("{sql}: {v}"))
-}
-
-/// Runs each statement as its own transaction on node `i`.
-async fn run_each(c: &TestCluster, i: usize, stmts: &[String]) -> Result<()> {
-    let client = c.pg[i].connect().await?;
-    for s in stmts {
-        client.batch_execute(s).await.with_context(|| s.clone())?;
-    }
-    Ok(())
-}
-
 /// `n` single-row INSERT transactions of ids `from..from+n`.
 fn inserts(from: i32, n: i32) -> Vec<String> {
     (from..from + n)
@@ -76,63 +57,11 @@ fn applied_txns(status: &serde_json::Value) -> u64 {
 async fn a_backlog_of_small_transactions_is_applied_in_groups_exactly_once() -> Result<()> {
     mm_tests::init_tracing();
     let c = grouping(&["grp1", "grp2"], "").await?;
-    c.pause("grp1", "grp2").await?;
-    c.pause("grp2", "grp1").await?;
-    // Older than the publisher's inserts of the same keys: they lose.
-    run_each(
-        &c,
-        1,
-        &[
-            "INSERT INTO items VALUES (777, -1)".to_owned(),
-            "INSERT INTO items VALUES (1888, -1)".to_owned(),
-        ],
-    )
-    .await?;
-    let before = applied_txns(&c.stream_status("grp1", "grp2").await?);
-    let mut stmts = inserts(1, 2000);
-    stmts.extend((1..=600).map(|id| format!("UPDATE items SET v = v + 1 WHERE id = {id}")));
-    stmts.extend(
-        (1501..=1900)
-            .filter(|id| *id != 1888)
-            .map(|id| format!("DELETE FROM items WHERE id = {id}")),
-    );
-    run_each(&c, 0, &stmts).await?;
-    c.resume("grp1", "grp2").await?;
-    c.resume("grp2", "grp1").await?;
-    c.wait_sync(120).await?;
-
-    let rows = c.assert_same("SELECT id, v FROM items ORDER BY id").await?;
-    // 2000 inserted, 399 deleted (1888 kept, 1900 included).
-    ensure!(rows.len() == 1601, "{} rows", rows.len());
-    for (id, v) in [(777, 777), (1888, 1888), (5, 6), (601, 601)] {
-        let got = one(&c, 1, &format!("SELECT v FROM items WHERE id = {id}")).await?;
-        ensure!(got == v, "id {id}: v = {got}, want {v}");
-    }
-    let conflicts = one(&c, 1, "SELECT count(*) FROM mm.conflict_log").await?;
-    ensure!(
-        conflicts == 2,
-        "{conflicts} conflicts logged on grp2, want 2"
-    );
-
-    // Every remote transaction counted once (the two of the subscriber
-    // are counted by the other stream).
-    let after = applied_txns(&c.stream_status("grp1", "grp2").await?);
-    let n = stmts.len() as u64;
-    ensure!(
-        after - before == n,
-        "status counts {} applied transactions, want {n}",
-        after - before
-    );
-    let stored = one(
-        &c,
-        1,
-        "SELECT applied_txns FROM mm.apply_progress WHERE origin LIKE '%grp1%'",
-    )
-    .await?;
-    ensure!(stored as u64 >= n, "progress counts {stored}, want >= {n}");
-
+    let rows = c.a_backlog_with_two_conflicts("grp1", "grp2").await?;
     // Grouped: 1601 rows, few local transactions wrote them.
-    let xids = one(&c, 1, "SELECT count(DISTINCT xmin::text) FROM items").await?;
+    let xids = c
+        .value(1, "SELECT count(DISTINCT xmin::text) FROM items")
+        .await?;
     ensure!(
         xids * 5 < rows.len() as i64,
         "{xids} local transactions wrote {} rows: not grouped",
@@ -151,12 +80,14 @@ async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
     let mut c = grouping(&["gsl1", "gsl2", "gsl3"], "").await?;
     c.agents[2].stop()?;
     c.pause("gsl1", "gsl2").await?;
-    run_each(&c, 0, &inserts(1, 500)).await?;
+    c.run_each(0, &inserts(1, 500)).await?;
     c.resume("gsl1", "gsl2").await?;
     let long = Duration::from_secs(60);
     c.wait_for(1, "SELECT count(*) FROM items", "500", long)
         .await?;
-    let xids = one(&c, 1, "SELECT count(DISTINCT xmin::text) FROM items").await?;
+    let xids = c
+        .value(1, "SELECT count(DISTINCT xmin::text) FROM items")
+        .await?;
     ensure!(
         xids == 500,
         "{xids} local transactions applied 500 while gsl3 was silent"
@@ -166,7 +97,7 @@ async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
     c.agents[2].wait_ready(long).await?;
     c.wait_sync(120).await?;
     c.pause("gsl1", "gsl2").await?;
-    run_each(&c, 0, &inserts(501, 500)).await?;
+    c.run_each(0, &inserts(501, 500)).await?;
     // gsl3 announces within 2 s what it applied (gsl1's rows, and gsl1's
     // clock through gsl1's announcements); grouping needs that past the
     // backlog by the order margin (1 s) on both counts.
@@ -174,12 +105,12 @@ async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
     c.resume("gsl1", "gsl2").await?;
     c.wait_for(1, "SELECT count(*) FROM items", "1000", long)
         .await?;
-    let xids = one(
-        &c,
-        1,
-        "SELECT count(DISTINCT xmin::text) FROM items WHERE id > 500",
-    )
-    .await?;
+    let xids = c
+        .value(
+            1,
+            "SELECT count(DISTINCT xmin::text) FROM items WHERE id > 500",
+        )
+        .await?;
     ensure!(
         xids * 5 < 500,
         "{xids} local transactions applied 500 with every node heard from"
@@ -198,58 +129,8 @@ async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
 async fn an_error_in_a_group_names_its_transaction_and_nothing_after_it_commits() -> Result<()> {
     mm_tests::init_tracing();
     let c = grouping(&["gerr1", "gerr2"], "").await?;
-    c.pg[1]
-        .execute("ALTER TABLE items ADD CONSTRAINT not_25 CHECK (v <> 25)")
-        .await?;
-    c.pause("gerr1", "gerr2").await?;
-    let writer = c.pg[0].connect().await?;
-    let mut failing = String::new();
-    for id in 1..=50 {
-        let row = writer
-            .query_one(
-                &format!("INSERT INTO items VALUES ({id}, {id}) RETURNING xmin::text"),
-                &[],
-            )
-            .await?;
-        if id == 25 {
-            failing = row.get(0);
-        }
-    }
-    c.resume("gerr1", "gerr2").await?;
-    let s = c
-        .wait_stream(
-            "gerr1",
-            "gerr2",
-            "error",
-            &["not_25"],
-            Duration::from_secs(60),
-        )
-        .await?;
-    let err = s["last_error"].as_str().unwrap_or_default().to_owned();
-    ensure!(
-        err.contains(&format!("transaction {failing} ")),
-        "the error does not name transaction {failing}: {err}"
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let before = one(&c, 1, "SELECT count(*) FROM items WHERE id < 25").await?;
-    let after = one(&c, 1, "SELECT count(*) FROM items WHERE id >= 25").await?;
-    ensure!(
-        before == 24 && after == 0,
-        "{before} of the 24 transactions before the failed one applied, {after} from it on"
-    );
-    c.pg[1]
-        .execute("ALTER TABLE items DROP CONSTRAINT not_25")
-        .await?;
-    c.wait_for(
-        1,
-        "SELECT count(*) FROM items",
-        "50",
-        Duration::from_secs(60),
-    )
-    .await?;
-    c.wait_sync(60).await?;
-    c.assert_same("SELECT id, v FROM items ORDER BY id").await?;
-    Ok(())
+    c.an_error_in_a_backlog_names_its_transaction("gerr1", "gerr2")
+        .await
 }
 
 /// By default (`group_transactions = 1`) every remote transaction is a
@@ -260,10 +141,12 @@ async fn by_default_nothing_is_grouped_and_row_versions_match() -> Result<()> {
     mm_tests::init_tracing();
     let c = TestCluster::start(&["gdf1", "gdf2"], SCHEMA).await?;
     c.pause("gdf1", "gdf2").await?;
-    run_each(&c, 0, &inserts(1, 300)).await?;
+    c.run_each(0, &inserts(1, 300)).await?;
     c.resume("gdf1", "gdf2").await?;
     c.wait_sync(60).await?;
-    let xids = one(&c, 1, "SELECT count(DISTINCT xmin::text) FROM items").await?;
+    let xids = c
+        .value(1, "SELECT count(DISTINCT xmin::text) FROM items")
+        .await?;
     ensure!(xids == 300, "{xids} local transactions applied 300");
     c.assert_same(
         "SELECT id, pg_catalog.pg_xact_commit_timestamp(xmin)::text FROM items ORDER BY id",
@@ -337,7 +220,7 @@ async fn a_groups_changes_are_merged_per_table_and_keep_commit_order() -> Result
         stmts.push(format!(r#"DELETE FROM "mm_t" WHERE "d" = {k}"#));
         stmts.push(format!(r#"DELETE FROM "mm_v" WHERE id = {k}"#));
     }
-    run_each(&c, 0, &stmts).await?;
+    c.run_each(0, &stmts).await?;
     c.resume("gmg1", "gmg2").await?;
     c.wait_sync(120).await?;
 
@@ -358,7 +241,7 @@ async fn a_groups_changes_are_merged_per_table_and_keep_commit_order() -> Result
         (r#"SELECT "mm_v" FROM "mm_t" WHERE "d" = 20"#, 1),
     ];
     for (sql, v) in want {
-        let got = one(&c, 1, sql).await?;
+        let got = c.value(1, sql).await?;
         ensure!(got == v, "{sql}: {got}, want {v}");
     }
     let spelled = c
@@ -368,7 +251,7 @@ async fn a_groups_changes_are_merged_per_table_and_keep_commit_order() -> Result
         spelled.first().and_then(|r| r.first().cloned()).flatten() == Some("1000.00".into()),
         "key 1000 as {spelled:?}, want the publisher's 1000.00"
     );
-    let conflicts = one(&c, 1, "SELECT count(*) FROM mm.conflict_log").await?;
+    let conflicts = c.value(1, "SELECT count(*) FROM mm.conflict_log").await?;
     ensure!(conflicts == 0, "{conflicts} conflicts logged on gmg2");
     let after = applied_txns(&c.stream_status("gmg1", "gmg2").await?);
     ensure!(
@@ -378,8 +261,7 @@ async fn a_groups_changes_are_merged_per_table_and_keep_commit_order() -> Result
         stmts.len()
     );
     // Rows 11..99 were last written by the 300 update transactions.
-    let writes = one(
-        &c,
+    let writes = c.value(
         1,
         r#"SELECT count(DISTINCT (xmin::text, cmin::text)) FROM "mm_v" WHERE id BETWEEN 11 AND 99"#,
     )
@@ -423,7 +305,7 @@ async fn merged_statements_keep_fixed_length_keys_and_values() -> Result<()> {
     for k in ["a", "b", "c"] {
         stmts.push(format!("UPDATE fx SET c = 'world' WHERE k = '{k}'"));
     }
-    run_each(&c, 0, &stmts).await?;
+    c.run_each(0, &stmts).await?;
     c.resume("gfx1", "gfx2").await?;
     c.wait_sync(60).await?;
     let rows = c

@@ -61,6 +61,9 @@ pub(crate) struct Group {
     wm: Option<Arc<Watermark>>,
     /// The last group sent was full: the stream is working off a backlog.
     last_full: bool,
+    /// Held as a batch (`batch.rs`: groups are off): transactions of one
+    /// change each, of this shape, each to commit on its own.
+    batch: Option<super::batch::Shape>,
 }
 
 impl Applier {
@@ -91,7 +94,7 @@ impl Applier {
     /// not to be skipped, received under the same watermark as the rest,
     /// and every third node allows it (`Watermarks::may_group`).
     pub(super) fn may_hold(&mut self, meta: &TxnMeta, body: &TxnBody) -> bool {
-        if self.ctx.group_transactions <= 1
+        if self.group_limit().is_none()
             || self.lanes.is_some()
             || self.early.is_some()
             || !meta.commit_known()
@@ -107,6 +110,9 @@ impl Applier {
         let Some(msgs) = body.messages() else {
             return false;
         };
+        if self.ctx.group_transactions <= 1 {
+            return self.may_batch(meta, body, msgs);
+        }
         if !self.groupable(&msgs) {
             return false;
         }
@@ -119,6 +125,36 @@ impl Applier {
         self.group.txns.push((*meta, Arc::clone(body), msgs));
         self.group.wm = Some(Arc::clone(&self.wm));
         true
+    }
+
+    /// Holds `meta` in the batch (`batch.rs`) when it is one row change
+    /// of the batch's shape. Every transaction keeps its own commit, so no
+    /// third node's announcements are needed, unlike a group's.
+    fn may_batch(&mut self, meta: &TxnMeta, body: &TxnBody, msgs: Arc<Vec<Message>>) -> bool {
+        let Some(change) = body.single_change() else {
+            return false;
+        };
+        let Some(shape) = self.batch_shape(&change) else {
+            return false;
+        };
+        if self.group.batch.is_some_and(|s| s != shape) && self.group_open() {
+            return false;
+        }
+        self.group.batch = Some(shape);
+        self.group.txns.push((*meta, Arc::clone(body), msgs));
+        self.group.wm = Some(Arc::clone(&self.wm));
+        true
+    }
+
+    /// Transactions a group holds at most: `group_transactions`, or a
+    /// batch's when groups are off and the session can run batches; None
+    /// when neither is used.
+    fn group_limit(&self) -> Option<usize> {
+        if self.ctx.group_transactions > 1 {
+            return Some(self.ctx.group_transactions);
+        }
+        (self.lanes.is_none() && self.pipe.as_ref().is_some_and(|p| p.batches()))
+            .then_some(super::batch::BATCH_TXNS)
     }
 
     fn groupable(&self, msgs: &[Message]) -> bool {
@@ -146,8 +182,8 @@ impl Applier {
     /// Whether the group has room: Some(false) when it has, Some(true)
     /// when it is full, None when groups are off.
     fn group_full(&self) -> Option<bool> {
-        (self.ctx.group_transactions > 1)
-            .then_some(self.group.txns.len() >= self.ctx.group_transactions)
+        let held = self.group.txns.len();
+        self.group_limit().map(|limit| held >= limit)
     }
 
     /// Sends the group when it is full.
@@ -167,11 +203,19 @@ impl Applier {
             return Ok(());
         };
         let txns = std::mem::take(&mut self.group.txns);
-        tracing::debug!(txns = txns.len(), "sending a group");
-        self.group.last_full = txns.len() >= self.ctx.group_transactions;
+        let batch = self.group.batch.take();
+        tracing::debug!(
+            txns = txns.len(),
+            batch = batch.is_some(),
+            "sending a group"
+        );
+        self.group.last_full = self.group_limit().is_some_and(|l| txns.len() >= l);
         // Their checks use the watermark they came under.
         let now = std::mem::replace(&mut self.wm, wm);
-        let r = self.send_group(txns).await;
+        let r = match batch {
+            Some(shape) if txns.len() > 1 => self.send_batch(shape, txns).await,
+            _ => self.send_group(txns).await,
+        };
         self.wm = now;
         r
     }
@@ -188,6 +232,17 @@ impl Applier {
                 None => Ok(()),
             };
         }
+        self.send_held(txns, None).await
+    }
+
+    /// Sends held transactions as one group, or, given a batch's CALL
+    /// (`batch.rs`), as that CALL. A failure is recovered here, as in
+    /// `apply`.
+    pub(super) async fn send_held(
+        &mut self,
+        txns: Vec<(TxnMeta, TxnBody, Arc<Vec<Message>>)>,
+        call: Option<super::batch::Call>,
+    ) -> Result<(), ApplyFailure> {
         let (first, last) = match (txns.first(), txns.last()) {
             (Some(f), Some(l)) => (f.0, l.0),
             _ => return Ok(()),
@@ -201,7 +256,14 @@ impl Applier {
             Ok(guard) => {
                 let mut pipe = self.take_pipe()?;
                 pipe.hold(last.end_lsn, guard);
-                let r = self.queue_group(&mut pipe, &txns).await;
+                let r = match call {
+                    None => self.queue_group(&mut pipe, &txns).await,
+                    Some(c) => {
+                        let metas: Vec<TxnMeta> = txns.iter().map(|t| t.0).collect();
+                        pipe.push_call(&c.stmt, &c.params, &metas, c.display, &self.origin)
+                            .await
+                    }
+                };
                 self.pipe = Some(pipe);
                 // Met while queuing (a value that does not convert, a key
                 // column not sent, ...): which of the group's transactions

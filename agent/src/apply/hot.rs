@@ -43,6 +43,10 @@ impl HotKeys {
     pub fn contains(&self, key: u64) -> bool {
         self.0.contains(&key)
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// The relation a row change (insert, update, delete) is for.

@@ -20,6 +20,7 @@
 //! transaction are pipelined.
 
 mod applier;
+mod batch;
 mod careful;
 mod compensation;
 mod deferred;

@@ -106,23 +106,47 @@ impl Param {
         Self::array(Type::TEXT.oid(), v, |x, b| types::text_to_sql(x, b))
     }
 
+    /// For `text[]` whose elements may be NULL (one column's values over
+    /// a batch of transactions, `batch.rs`): each element is the value's
+    /// text, which is also `text`'s binary format.
+    pub fn nullable_text_array(v: &[Option<Bytes>]) -> Param {
+        Self::array_of(Type::TEXT.oid(), v, |x, b| match x {
+            Some(t) => {
+                b.extend_from_slice(t);
+                postgres_protocol::IsNull::No
+            }
+            None => postgres_protocol::IsNull::Yes,
+        })
+    }
+
+    /// For `pg_lsn[]` (binary: each LSN as a 64-bit integer).
+    pub fn lsn_array(v: &[u64]) -> Param {
+        Self::array(Type::PG_LSN.oid(), v, |x, b| {
+            b.extend_from_slice(&x.to_be_bytes())
+        })
+    }
+
     fn array<T>(element_type: u32, v: &[T], put: impl Fn(&T, &mut BytesMut)) -> Param {
+        Self::array_of(element_type, v, |x, b| {
+            put(x, b);
+            postgres_protocol::IsNull::No
+        })
+    }
+
+    /// A one-dimensional array in the binary format, `put` writing each
+    /// element (or saying it is NULL).
+    fn array_of<T>(
+        element_type: u32,
+        v: &[T],
+        put: impl Fn(&T, &mut BytesMut) -> postgres_protocol::IsNull,
+    ) -> Param {
         let mut b = BytesMut::new();
         let dims = (!v.is_empty()).then(|| types::ArrayDimension {
             len: i32::try_from(v.len()).unwrap_or(i32::MAX),
             lower_bound: 1,
         });
-        // Infallible: every element is written and none is NULL.
-        let _ = types::array_to_sql(
-            dims,
-            element_type,
-            v.iter(),
-            |x, b| {
-                put(x, b);
-                Ok(postgres_protocol::IsNull::No)
-            },
-            &mut b,
-        );
+        // Infallible: every element is written or NULL.
+        let _ = types::array_to_sql(dims, element_type, v.iter(), |x, b| Ok(put(x, b)), &mut b);
         Param::Binary(b.freeze())
     }
 }

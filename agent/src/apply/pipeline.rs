@@ -117,6 +117,9 @@ pub enum OpKind {
     OrphanCheck,
     /// The transaction's COMMIT: when it succeeds, the transaction is done.
     Commit,
+    /// A batch procedure's CALL (`batch.rs`): every transaction of the
+    /// batch commits on its own inside it; when it succeeds, all are done.
+    Call,
 }
 
 #[derive(Debug, Clone)]
@@ -178,7 +181,14 @@ struct Raw {
     /// Each transaction is written once its COMMIT is pushed
     /// (`Pipeline::eager`).
     eager: bool,
+    /// Batch procedures created on the session (`batch.rs`), temporary
+    /// (they go with it), by signature and body: their names.
+    procs: HashMap<Arc<str>, String>,
 }
+
+/// Batch procedures one session may create: one per table and kind of
+/// change, more only as relations are described again.
+const MAX_PROCS: usize = 256;
 
 /// The transaction block a fused statement gets on the pipelined session:
 /// statement names, which are their text too.
@@ -275,8 +285,16 @@ pub struct Pipeline {
     /// aborted transaction answers like one).
     failed: bool,
     /// Transactions queued in a group (`group.rs`) before its last one:
-    /// the group's COMMIT finishes each of them too.
+    /// the group's COMMIT finishes each of them too. A batch (`batch.rs`)
+    /// has all of its own here, its last one included.
     grouped: VecDeque<TxnMeta>,
+    /// The `mm.apply_progress` row batches record progress in: after a
+    /// failure, it says which of a batch's transactions committed.
+    progress_origin: Option<String>,
+    /// Batch procedures can be used (`batches`): a pipelined session of
+    /// one lane, whose procedures could be created so far (not, say,
+    /// without the TEMPORARY privilege).
+    batchable: bool,
 }
 
 impl Pipeline {
@@ -295,6 +313,8 @@ impl Pipeline {
             guards: VecDeque::new(),
             failed: false,
             grouped: VecDeque::new(),
+            progress_origin: None,
+            batchable: false,
         }
     }
 
@@ -316,7 +336,9 @@ impl Pipeline {
             origin: origin.to_owned(),
             holds_origin: false,
             eager: false,
+            procs: HashMap::new(),
         })));
+        self.batchable = true;
         self
     }
 
@@ -331,6 +353,7 @@ impl Pipeline {
         if let Some(raw) = self.raw.as_mut() {
             raw.get_mut().eager = true;
         }
+        self.batchable = false;
         self
     }
 
@@ -445,6 +468,143 @@ impl Pipeline {
 
     pub fn failed(&self) -> bool {
         self.failed
+    }
+
+    /// Whether batch procedures can be used: a pipelined session of one
+    /// lane whose procedures could be created so far.
+    pub fn batches(&self) -> bool {
+        self.batchable
+    }
+
+    /// The name of the batch procedure with signature and body `def`
+    /// (`sql::batch_procedure`), created on the session first if it lacks
+    /// it (which waits for everything in flight). None: batches are off
+    /// for this session (creating one failed; the reason is logged).
+    pub async fn procedure(&mut self, def: &str) -> Result<Option<String>, ApplyFailure> {
+        if let Some(name) = self
+            .raw
+            .as_mut()
+            .map(SyncWrapper::get_mut)
+            .and_then(|r| r.procs.get(def))
+        {
+            return Ok(Some(name.clone()));
+        }
+        if !self.batches() {
+            return Ok(None);
+        }
+        self.settle(0).await?;
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Ok(None);
+        };
+        if raw.procs.len() >= MAX_PROCS {
+            return Ok(None);
+        }
+        raw.session.finish().await.map_err(raw_err(None))?;
+        let name = format!("pg_temp.mm_batch_{}", raw.procs.len());
+        match raw
+            .session
+            .query(&format!("CREATE OR REPLACE PROCEDURE {name}{def}"), &[])
+            .await
+        {
+            Ok(_) => {
+                raw.procs.insert(Arc::from(def), name.clone());
+                Ok(Some(name))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot create a batch procedure on the apply session: transactions are applied one statement each");
+                self.batchable = false;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Queues the CALL of a batch procedure applying `txns` (in commit
+    /// order), each committing on its own inside it, after a Sync: a
+    /// procedure may only commit when its CALL begins outside any
+    /// transaction block. `origin`: the progress row they record in.
+    pub async fn push_call(
+        &mut self,
+        stmt: &Stmt,
+        params: &[Param],
+        txns: &[TxnMeta],
+        relation: Arc<str>,
+        origin: &str,
+    ) -> Result<(), ApplyFailure> {
+        let Some(last) = txns.last().copied() else {
+            return Ok(());
+        };
+        self.take_origin().await?;
+        let rows = u64::try_from(txns.len()).unwrap_or(u64::MAX);
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return Err(ApplyFailure::new(None, "internal: no pipelined session"));
+        };
+        raw.session.end_batch();
+        let meta = OpMeta {
+            kind: OpKind::Call,
+            relation: Some(relation),
+            txn: last,
+            rows,
+            commits: true,
+        };
+        raw.exec(&stmt.0.name, &stmt.0.text, params, meta)?;
+        self.count = raw.ops.len();
+        self.grouped.extend(txns.iter().copied());
+        self.progress_origin = Some(origin.to_owned());
+        self.rows_in_flight += rows;
+        if self.count > self.window {
+            self.settle(self.window / 2).await?;
+        }
+        while self.rows_in_flight > ROW_WINDOW && self.count > 0 {
+            self.settle(self.count - 1).await?;
+        }
+        Ok(())
+    }
+
+    /// After a failure, on an idle session: the transactions of batches
+    /// that committed before it (their procedure commits each on its
+    /// own), as the progress row says, are done.
+    async fn batch_commits(&mut self) {
+        let Some(origin) = self.progress_origin.clone() else {
+            return;
+        };
+        let Some(raw) = self.raw.as_mut().map(SyncWrapper::get_mut) else {
+            return;
+        };
+        if raw.broken.is_some() || self.grouped.is_empty() {
+            return;
+        }
+        let at = match raw
+            .session
+            .query(
+                "SELECT remote_lsn::text FROM mm.apply_progress WHERE origin = $1",
+                &[Some(&origin)],
+            )
+            .await
+        {
+            Ok(rows) => rows
+                .first()
+                .and_then(|r| r.first().cloned().flatten())
+                .and_then(|t| t.parse::<mm_proto::Lsn>().ok()),
+            Err(e) => {
+                raw.broken = Some(format!("reading apply progress after a failure: {e}"));
+                None
+            }
+        };
+        let Some(at) = at else {
+            return;
+        };
+        while let Some(m) = self.grouped.front().filter(|m| m.end_lsn <= at) {
+            let meta = *m;
+            self.grouped.pop_front();
+            self.done.push_back(Done {
+                meta,
+                rows: 1,
+                conflicts: Vec::new(),
+                routine: 0,
+                rolled_back: false,
+                in_place: 0,
+            });
+        }
     }
 
     /// Holds `guard` until the transaction ending at `end` has committed
@@ -675,7 +835,10 @@ impl Pipeline {
                 Ok(_) => {
                     // Fast-path row statements fail unless they change every
                     // row; success means they changed exactly `meta.rows`.
-                    if matches!(meta.kind, OpKind::Insert | OpKind::Update | OpKind::Delete) {
+                    if matches!(
+                        meta.kind,
+                        OpKind::Insert | OpKind::Update | OpKind::Delete | OpKind::Call
+                    ) {
                         self.rows += meta.rows;
                     }
                     if meta.commits {
@@ -698,6 +861,16 @@ impl Pipeline {
                     if !self.grouped.is_empty() && f.sqlstate.is_some() {
                         f.conflict = true;
                     }
+                    // A batch's failure is its first uncommitted
+                    // transaction's; which one that is, the progress row
+                    // says once the session is drained (`batch_commits`).
+                    // Named the first, `recover` starts at the first
+                    // uncommitted one whichever it is.
+                    if meta.kind == OpKind::Call
+                        && let Some(first) = self.grouped.front()
+                    {
+                        f.txn = Some(*first);
+                    }
                     self.rows = 0;
                     self.logged.clear();
                     self.in_place = 0;
@@ -714,10 +887,13 @@ impl Pipeline {
         self.release(txn.end_lsn);
         // A group's transactions before its last: each is done (status
         // and wait-sync count transactions); its rows and conflicts are
-        // reported with the last.
-        while let Some(m) = self.grouped.front().filter(|m| m.end_lsn < txn.end_lsn) {
+        // reported with the last (a batch's last is here too: not twice).
+        while let Some(m) = self.grouped.front().filter(|m| m.end_lsn <= txn.end_lsn) {
             let meta = *m;
             self.grouped.pop_front();
+            if meta.end_lsn == txn.end_lsn {
+                continue;
+            }
             self.done.push_back(Done {
                 meta,
                 rows: 0,
@@ -770,6 +946,7 @@ impl Pipeline {
                 raw.broken = Some(why);
             }
         }
+        self.batch_commits().await;
         self.failed = false;
         self.guards.clear();
         self.grouped.clear();

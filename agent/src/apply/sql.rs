@@ -756,6 +756,19 @@ impl TombstoneWrite {
     }
 }
 
+/// What a keyed DELETE of `mm_t` returns (its key columns) and the
+/// tombstone key built from them in its CTE `d`.
+fn deleted_keys(key_cols: &[&str]) -> (Vec<String>, String) {
+    let ret = key_cols
+        .iter()
+        .map(|c| format!("mm_t.{}", quote_ident(c)))
+        .collect();
+    (
+        ret,
+        key_json(key_cols, |_, c| format!("d.{}", quote_ident(c))),
+    )
+}
+
 /// `rows` fast-path DELETEs of one table by distinct keys in one statement
 /// (`merge.rs`), each guarded as `fast_delete`'s, with their tombstones
 /// written as `tombstones` says. Params: per row the key values and the
@@ -768,11 +781,7 @@ pub fn fast_delete_many(
     rows: usize,
     tombstones: TombstoneWrite,
 ) -> String {
-    let ret: Vec<String> = key_cols
-        .iter()
-        .map(|c| format!("mm_t.{}", quote_ident(c)))
-        .collect();
-    let key = key_json(key_cols, |_, c| format!("d.{}", quote_ident(c)));
+    let (ret, key) = deleted_keys(key_cols);
     format!(
         "WITH {}, d AS (DELETE FROM {table} AS mm_t USING mm_v WHERE {}{} RETURNING {}), \
          tb AS (INSERT INTO mm.tombstones (relid, key) SELECT {relid}, {key} FROM d{}){}",
@@ -899,6 +908,184 @@ pub fn update_json(table: &str, cols: &[&str]) -> String {
 /// Deletes the row at `$1` (`tableoid:ctid`).
 pub fn delete_ctid(table: &str) -> String {
     format!("DELETE FROM {table} WHERE {}", at_row(1))
+}
+
+/// One single-change transaction of a batch procedure (`batch.rs`): the
+/// row statement as the fused fast path runs it, over the procedure's
+/// per-transaction arrays (`mm_c<n>[mm_i]`, each cast to its column's
+/// local type, as the fast path casts its text parameters).
+#[derive(Debug, Clone)]
+pub enum BatchChange<'a> {
+    /// Every column (`cols` with `types`), the key's for the re-check.
+    Insert {
+        cols: &'a [&'a str],
+        types: &'a [&'a str],
+        key_cols: &'a [&'a str],
+    },
+    /// SET `set_cols` (arrays 1..), then the row by `key_cols` (arrays after).
+    Update {
+        set_cols: &'a [&'a str],
+        set_types: &'a [&'a str],
+        key_cols: &'a [&'a str],
+        key_types: &'a [&'a str],
+    },
+    /// The row by `key_cols`, its tombstone written as `tombstones` says.
+    Delete {
+        key_cols: &'a [&'a str],
+        key_types: &'a [&'a str],
+        tombstones: TombstoneWrite,
+    },
+}
+
+impl BatchChange<'_> {
+    /// The text arrays the procedure takes after `BATCH_FIXED_PARAMS`.
+    pub fn arrays(&self) -> usize {
+        match self {
+            BatchChange::Insert { cols, .. } => cols.len(),
+            BatchChange::Update {
+                set_cols, key_cols, ..
+            } => set_cols.len() + key_cols.len(),
+            BatchChange::Delete { key_cols, .. } => key_cols.len(),
+        }
+    }
+}
+
+/// The procedure's parameters before its value arrays: the progress
+/// origin, the progress before the first transaction, the publisher's
+/// origin ids, the watermark's origin ids and timestamps (shared by the
+/// batch), then per transaction its end LSN and commit timestamp.
+pub const BATCH_FIXED_PARAMS: usize = 7;
+
+/// `mm_t."k1" = mm_c<first>[mm_i]::t1 AND ..`: the row a batch's change
+/// targets, by its key.
+fn batch_key_match(key_cols: &[&str], key_types: &[&str], first: usize) -> String {
+    let mut s = String::new();
+    for (i, (c, ty)) in key_cols.iter().zip(key_types).enumerate() {
+        let _ = write!(
+            s,
+            "mm_t.{} = mm_c{}[mm_i]::{ty} AND ",
+            quote_ident(c),
+            first + i
+        );
+    }
+    s
+}
+
+const BATCH_GUARD: &str = "CASE WHEN mm.routine(mm_t.xmin, mm_origins, mm_ts[mm_i], mm_wm_ids, mm_wm_ts) \
+                           THEN true ELSE mm.conflict() END";
+
+/// The signature and body of a batch procedure (after `CREATE PROCEDURE
+/// <name>`): applies each transaction of the batch as the fused fast path
+/// would (`fast_insert`, `fast_update`, `fast_delete` with
+/// `Commit::Fused`), and commits it on its own: its progress record, its
+/// commit timestamp through the origin, COMMIT. A failure raises the same
+/// error the fused statement would (`mm.one_row`, `mm.progress_one`,
+/// `mm.conflict()`, the table's own), rolling back only the transaction
+/// it met; those before it stay committed (their progress says so).
+///
+/// Names: the procedure's variables are all `mm_`-prefixed and
+/// `#variable_conflict use_variable` makes them win over any column; a
+/// user's column is only ever named qualified (`mm_t."c"`, `d."c"`) or
+/// where no variable can stand (an INSERT's column list, a SET target),
+/// so no user identifier can capture one of ours, nor ours a user's.
+/// The body is dollar-quoted with a tag it does not contain.
+pub fn batch_procedure(table: &str, relid: u32, change: &BatchChange<'_>) -> String {
+    let mut sig = String::from(
+        "(mm_o text, mm_prev pg_lsn, mm_origins oid[], mm_wm_ids oid[], \
+         mm_wm_ts timestamptz[], mm_end pg_lsn[], mm_ts timestamptz[]",
+    );
+    for n in 1..=change.arrays() {
+        let _ = write!(sig, ", mm_c{n} text[]");
+    }
+    sig.push(')');
+    let row = match change {
+        BatchChange::Insert {
+            cols,
+            types,
+            key_cols,
+        } => {
+            let names: Vec<String> = cols.iter().map(|c| quote_ident(c)).collect();
+            let values: Vec<String> = types
+                .iter()
+                .enumerate()
+                .map(|(i, ty)| format!("mm_c{}[mm_i]::{ty}", i + 1))
+                .collect();
+            let key = key_json(key_cols, |_, c| format!("mm_t.{}", quote_ident(c)));
+            format!(
+                "INSERT INTO {table} AS mm_t ({}) OVERRIDING SYSTEM VALUE VALUES ({}) \
+                 RETURNING {key} INTO mm_key;\n    \
+                 PERFORM mm.insert_recheck_key({relid}, mm_key, mm_ts[mm_i], mm_origins);",
+                names.join(", "),
+                values.join(", ")
+            )
+        }
+        BatchChange::Update {
+            set_cols,
+            set_types,
+            key_cols,
+            key_types,
+        } => {
+            let set: Vec<String> = set_cols
+                .iter()
+                .zip(*set_types)
+                .enumerate()
+                .map(|(i, (c, ty))| format!("{} = mm_c{}[mm_i]::{ty}", quote_ident(c), i + 1))
+                .collect();
+            format!(
+                "UPDATE {table} AS mm_t SET {} WHERE {}{BATCH_GUARD};\n    \
+                 IF NOT FOUND THEN PERFORM 0::mm.one_row; END IF;",
+                set.join(", "),
+                batch_key_match(key_cols, key_types, set_cols.len() + 1)
+            )
+        }
+        BatchChange::Delete {
+            key_cols,
+            key_types,
+            tombstones,
+        } => {
+            let (ret, key) = deleted_keys(key_cols);
+            format!(
+                "WITH d AS (DELETE FROM {table} AS mm_t WHERE {}{BATCH_GUARD} RETURNING {}) \
+                 INSERT INTO mm.tombstones (relid, key) SELECT {relid}, {key} FROM d{};\n    \
+                 IF NOT FOUND THEN PERFORM 0::mm.one_row; END IF;",
+                batch_key_match(key_cols, key_types, 1),
+                ret.join(", "),
+                tombstones.clause()
+            )
+        }
+    };
+    let body = format!(
+        "\n#variable_conflict use_variable\nDECLARE\n  mm_i int;\n  mm_key jsonb;\nBEGIN\n  \
+         FOR mm_i IN 1 .. pg_catalog.array_length(mm_end, 1) LOOP\n    {row}\n    \
+         UPDATE mm.apply_progress SET remote_lsn = mm_end[mm_i], remote_commit_ts = mm_ts[mm_i], \
+         applied_txns = applied_txns + 1 WHERE origin = mm_o AND remote_lsn = mm_prev;\n    \
+         IF NOT FOUND THEN PERFORM 0::mm.progress_one; END IF;\n    \
+         mm_prev := mm_end[mm_i];\n    \
+         PERFORM pg_catalog.pg_replication_origin_xact_setup('0/0', mm_ts[mm_i]);\n    \
+         COMMIT;\n  END LOOP;\nEND\n"
+    );
+    let mut n = 0;
+    let tag = loop {
+        let t = format!("$mm_batch{n}$");
+        if !body.contains(&t) {
+            break t;
+        }
+        n += 1;
+    };
+    format!("{sig} LANGUAGE plpgsql AS {tag}{body}{tag}")
+}
+
+/// The CALL of batch procedure `name` taking `arrays` value arrays.
+pub fn batch_call(name: &str, arrays: usize) -> String {
+    let mut s = format!(
+        "CALL {name}($1::text, $2::pg_lsn, $3::oid[], $4::oid[], $5::timestamptz[], \
+         $6::pg_lsn[], $7::timestamptz[]"
+    );
+    for n in 1..=arrays {
+        let _ = write!(s, ", ${}::text[]", BATCH_FIXED_PARAMS + n);
+    }
+    s.push(')');
+    s
 }
 
 #[cfg(test)]
@@ -1111,6 +1298,57 @@ mod tests {
         assert_eq!(
             key_json(&["it's"], |_, _| "$1".into()),
             "pg_catalog.jsonb_build_object('it''s', $1)"
+        );
+    }
+
+    #[test]
+    fn batch_procedures_quote_their_body_with_a_tag_it_lacks() {
+        let t = qualified("public", "acc");
+        let cols = ["$mm_batch0$", "v"];
+        let def = batch_procedure(
+            &t,
+            42,
+            &BatchChange::Insert {
+                cols: &cols,
+                types: &["text", "integer"],
+                key_cols: &["$mm_batch0$"],
+            },
+        );
+        assert!(
+            def.contains(" LANGUAGE plpgsql AS $mm_batch1$\n#variable_conflict use_variable\n")
+        );
+        assert!(def.ends_with("END\n$mm_batch1$"));
+        assert_eq!(def.matches("$mm_batch1$").count(), 2);
+        // The user's column only quoted: in the column list and qualified.
+        assert!(def.contains("(\"$mm_batch0$\", \"v\") OVERRIDING SYSTEM VALUE VALUES (mm_c1[mm_i]::text, mm_c2[mm_i]::integer)"));
+        assert!(def.contains(
+            "pg_catalog.jsonb_build_object('$mm_batch0$', mm_t.\"$mm_batch0$\") INTO mm_key"
+        ));
+    }
+
+    #[test]
+    fn a_batch_update_sets_its_columns_and_finds_the_row_by_the_arrays_after_them() {
+        let t = qualified("public", "acc");
+        let change = BatchChange::Update {
+            set_cols: &["mm_i", "mm_c1"],
+            set_types: &["integer", "text"],
+            key_cols: &["mm_i"],
+            key_types: &["integer"],
+        };
+        assert_eq!(change.arrays(), 3);
+        let def = batch_procedure(&t, 7, &change);
+        assert!(def.starts_with(
+            "(mm_o text, mm_prev pg_lsn, mm_origins oid[], mm_wm_ids oid[], mm_wm_ts timestamptz[], \
+             mm_end pg_lsn[], mm_ts timestamptz[], mm_c1 text[], mm_c2 text[], mm_c3 text[])"
+        ));
+        assert!(def.contains(
+            "UPDATE \"public\".\"acc\" AS mm_t SET \"mm_i\" = mm_c1[mm_i]::integer, \"mm_c1\" = mm_c2[mm_i]::text \
+             WHERE mm_t.\"mm_i\" = mm_c3[mm_i]::integer AND CASE WHEN mm.routine(mm_t.xmin, mm_origins, mm_ts[mm_i], mm_wm_ids, mm_wm_ts)"
+        ));
+        assert_eq!(
+            batch_call("pg_temp.mm_batch_3", change.arrays()),
+            "CALL pg_temp.mm_batch_3($1::text, $2::pg_lsn, $3::oid[], $4::oid[], $5::timestamptz[], \
+             $6::pg_lsn[], $7::timestamptz[], $8::text[], $9::text[], $10::text[])"
         );
     }
 }

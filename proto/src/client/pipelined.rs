@@ -546,11 +546,18 @@ impl PipelinedSession {
     }
 
     async fn sync_and_send(&mut self) -> Result<(), ClientError> {
+        self.end_batch();
+        self.write().await
+    }
+
+    /// Ends the batch without writing: a Sync queued after what was
+    /// queued, so what comes next starts outside any implicit transaction
+    /// block (a procedure that commits inside must, or its COMMIT fails).
+    pub fn end_batch(&mut self) {
         if self.tracker.needs_sync() {
             frontend::sync(self.conn.wbuf());
             self.tracker.sent_sync();
         }
-        self.write().await
     }
 
     async fn read_one(&mut self) -> Result<(), ClientError> {

@@ -1,0 +1,128 @@
+//! Batched commits (`apply/batch.rs`, on by default): a backlog of
+//! single-change transactions is applied by CALLs of a procedure that
+//! commits each transaction on its own. Each remote transaction stays one
+//! local transaction with its origin's commit timestamp, is applied
+//! exactly once and in order; a conflict inside a batch is resolved as
+//! without batches; an error inside a batch names its transaction, those
+//! before it stay applied and none after it is; hostile table and column
+//! names (the procedure's own variable names, its dollar-quote tag) are
+//! data.
+//!
+//! Batches show in the subscriber's catalog: the apply session's
+//! temporary procedures `pg_temp_N.mm_batch_K`.
+
+use anyhow::{Context, Result, ensure};
+use mm_tests::TestCluster;
+
+const SCHEMA: &str = "CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL);";
+
+/// The batch procedures the apply sessions of node `i` created.
+async fn procedures(c: &TestCluster, i: usize) -> Result<i64> {
+    c.value(
+        i,
+        "SELECT count(*) FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n \
+         ON n.oid = p.pronamespace WHERE n.nspname LIKE 'pg\\_temp\\_%' AND p.proname LIKE 'mm\\_batch\\_%'",
+    )
+    .await
+}
+
+/// 3000 single-row transactions (inserts, then updates and deletes of some
+/// of those rows) wait behind a paused stream; two of the inserted keys
+/// were written on the subscriber earlier. After resuming: identical nodes
+/// with the publisher's newer rows, exactly two conflicts, every
+/// transaction counted once, every row written by a local transaction of
+/// its own carrying its origin's commit timestamp, and batch procedures
+/// for each kind of change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_single_row_transactions_is_applied_in_batches_each_committed_alone()
+-> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["bat1", "bat2"], SCHEMA).await?;
+    let rows = c.a_backlog_with_two_conflicts("bat1", "bat2").await?;
+    // One local transaction per remote one, with the origin's timestamp.
+    let xids = c
+        .value(1, "SELECT count(DISTINCT xmin::text) FROM items")
+        .await?;
+    ensure!(
+        xids == rows.len() as i64,
+        "{xids} local transactions wrote {} rows",
+        rows.len()
+    );
+    c.assert_same(
+        "SELECT id, pg_catalog.pg_xact_commit_timestamp(xmin)::text FROM items ORDER BY id",
+    )
+    .await
+    .context("row versions differ")?;
+    let procs = procedures(&c, 1).await?;
+    ensure!(
+        procs >= 3,
+        "{procs} batch procedures on bat2: inserts, updates and deletes were not batched"
+    );
+    Ok(())
+}
+
+/// A CHECK constraint only the subscriber has stops the stream at the row
+/// that violates it, in the middle of a batch: the error names that
+/// transaction, the 24 before it are applied (their procedure committed
+/// each), none after it; once the constraint is dropped, everything is
+/// applied exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_in_a_batch_names_its_transaction_and_keeps_those_before_it() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["berr1", "berr2"], SCHEMA).await?;
+    c.an_error_in_a_backlog_names_its_transaction("berr1", "berr2")
+        .await?;
+    let xids = c
+        .value(1, "SELECT count(DISTINCT xmin::text) FROM items")
+        .await?;
+    ensure!(xids == 50, "{xids} local transactions applied 50");
+    ensure!(
+        procedures(&c, 1).await? >= 1,
+        "no batch procedure on berr2: the backlog was not batched"
+    );
+    Ok(())
+}
+
+/// A table and columns named like the batch procedure's variables, its
+/// table alias, its CTE and its dollar-quote tag: a user's name must not
+/// capture one of ours, nor break the procedure's text.
+const HOSTILE: &str = r#"CREATE TABLE "mm_t" ("mm_i" int PRIMARY KEY, "mm_key" text, "mm_c1" int NOT NULL, "mm_ts" text, "$mm_batch0$" text, "d" int);"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_keep_hostile_names_as_data() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["bhn1", "bhn2"], HOSTILE).await?;
+    c.pause("bhn1", "bhn2").await?;
+    let mut stmts: Vec<String> = (1..=300)
+        .map(|id| {
+            format!(
+                r#"INSERT INTO "mm_t" VALUES ({id}, 'k{id}', {id}, 'ts{id}', '$mm_batch0$ {id}', {id})"#
+            )
+        })
+        .collect();
+    stmts.extend((1..=120).map(|id| {
+        format!(
+            r#"UPDATE "mm_t" SET "mm_c1" = "mm_c1" + 1000, "$mm_batch0$" = NULL WHERE "mm_i" = {id}"#
+        )
+    }));
+    stmts.extend((201..=260).map(|id| format!(r#"DELETE FROM "mm_t" WHERE "mm_i" = {id}"#)));
+    c.run_each(0, &stmts).await?;
+    c.resume("bhn1", "bhn2").await?;
+    c.wait_sync(120).await?;
+    let rows = c
+        .assert_same(r#"SELECT * FROM "mm_t" ORDER BY "mm_i""#)
+        .await?;
+    ensure!(rows.len() == 240, "{} rows", rows.len());
+    let updated = c
+        .value(
+            1,
+            r#"SELECT count(*) FROM "mm_t" WHERE "mm_c1" > 1000 AND "$mm_batch0$" IS NULL"#,
+        )
+        .await?;
+    ensure!(updated == 120, "{updated} rows updated on bhn2, want 120");
+    ensure!(
+        procedures(&c, 1).await? >= 3,
+        "the hostile table's changes were not batched"
+    );
+    Ok(())
+}
