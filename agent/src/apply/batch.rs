@@ -221,7 +221,7 @@ impl Applier {
             return Ok(Vec::new());
         };
         // The watermark and the publisher's origins are the batch's (one
-        // watermark per batch, as per group); each timestamp is its own.
+        // watermark per batch, as for a group); each timestamp is its own.
         let [peers, _, wm_ids, wm_ts] = self.guard_params(last).params(false);
         let mut params = vec![
             Param::text(self.origin.clone()),
@@ -270,7 +270,8 @@ impl Applier {
                 Err(f) => return Err(f),
             }
         };
-        let Some(name) = name else {
+        // A conflict recovered meanwhile started a streak: each alone.
+        let Some(name) = name.filter(|_| self.streak == 0) else {
             return self.send_each(txns).await;
         };
         let params = match self.batch_params(shape, &txns, arrays) {
