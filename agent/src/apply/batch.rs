@@ -1,6 +1,7 @@
-//! Batched commits: consecutive single-change transactions of one table
-//! and kind, received while the apply session is behind, applied by one
-//! CALL of a procedure that commits each of them on its own.
+//! Batched commits: consecutive transactions of the same row changes (one
+//! to `MAX_CHANGES`, the same tables and kinds in the same order),
+//! received while the apply session is behind, applied by one CALL of a
+//! procedure that commits each of them on its own.
 //!
 //! Why: with `replication.group_transactions = 1` (the default) every
 //! remote transaction is its own local commit with its own commit
@@ -36,7 +37,7 @@
 //! transaction that cannot join arrives, before the stream would wait for
 //! the publisher), so it adds no latency to a stream that keeps up.
 //! Procedures are temporary (`pg_temp`), created on the apply session at
-//! first use, one per table and kind of change.
+//! first use, one per shape.
 
 use std::sync::Arc;
 
@@ -48,19 +49,21 @@ use super::applier::{Applier, TxnBody, TxnMeta};
 use super::param::Param;
 use super::pipeline::Stmt;
 use super::relation::LocalRelation;
-use super::sql::{self, BatchChange, TombstoneWrite};
+use super::sql::{self, BatchChange, BatchStep, TombstoneWrite};
 use super::tuple::{locate, tuple_params};
 
 /// Transactions one CALL applies at most.
 pub(super) const BATCH_TXNS: usize = 100;
 
-/// What makes transactions one batch: one row change each, of one
-/// relation, of one kind (and, for deletes, one way of writing tombstones).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Shape {
-    relation: u32,
-    kind: Kind,
-}
+/// Row changes a batched transaction may have: more already amortise
+/// their own commit (as for groups).
+const MAX_CHANGES: usize = 10;
+
+/// What makes transactions one batch: the same row changes, in the same
+/// order, of the same relations and kinds (and, for deletes, one way of
+/// writing tombstones).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shape(Arc<[(u32, Kind)]>);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -92,72 +95,113 @@ fn sent_whole(columns: &[ColumnValue]) -> bool {
 }
 
 impl Applier {
-    /// The batch `change` can join, if any: an INSERT; an UPDATE that
-    /// keeps its key (no old tuple) and sent every column; a DELETE.
-    pub(super) fn batch_shape(&self, change: &Message) -> Option<Shape> {
-        let (relation, kind) = match change {
-            Message::Insert(i) => {
-                let rel = self.relations.get(&i.relation_oid)?;
-                (batchable(rel, i.new.columns.len()) && sent_whole(&i.new.columns))
-                    .then_some((i.relation_oid, Kind::Insert))?
-            }
-            Message::Update(u) => {
-                let rel = self.relations.get(&u.relation_oid)?;
-                (u.old.is_none()
-                    && batchable(rel, u.new.columns.len())
-                    && sent_whole(&u.new.columns))
-                .then_some((u.relation_oid, Kind::Update))?
-            }
-            Message::Delete(d) => {
-                let rel = self.relations.get(&d.relation_oid)?;
-                batchable(rel, rel.local_names.len())
-                    .then_some((d.relation_oid, Kind::Delete(rel.tombstone_write())))?
-            }
-            _ => return None,
-        };
-        Some(Shape { relation, kind })
+    /// The batch a transaction of `msgs` can join, if any: 1 to
+    /// `MAX_CHANGES` row changes, each an INSERT, an UPDATE that keeps its
+    /// key (no old tuple) and sent every column, or a DELETE, of batchable
+    /// tables; nothing else but type and origin messages.
+    pub(super) fn batch_shape(&self, msgs: &[Message]) -> Option<Shape> {
+        let mut steps = Vec::new();
+        for m in msgs {
+            let step = match m {
+                Message::Insert(i) => {
+                    let rel = self.relations.get(&i.relation_oid)?;
+                    (batchable(rel, i.new.columns.len()) && sent_whole(&i.new.columns))
+                        .then_some((i.relation_oid, Kind::Insert))?
+                }
+                Message::Update(u) => {
+                    let rel = self.relations.get(&u.relation_oid)?;
+                    (u.old.is_none()
+                        && batchable(rel, u.new.columns.len())
+                        && sent_whole(&u.new.columns))
+                    .then_some((u.relation_oid, Kind::Update))?
+                }
+                Message::Delete(d) => {
+                    let rel = self.relations.get(&d.relation_oid)?;
+                    batchable(rel, rel.local_names.len())
+                        .then_some((d.relation_oid, Kind::Delete(rel.tombstone_write())))?
+                }
+                // Nothing to apply (see `queue_changes`).
+                Message::Type(_) | Message::Origin(_) => continue,
+                _ => return None,
+            };
+            steps.push(step);
+        }
+        (1..=MAX_CHANGES)
+            .contains(&steps.len())
+            .then(|| Shape(steps.into()))
     }
 
-    /// The procedure's signature and body for `shape`, and the table's name
-    /// for errors.
-    fn batch_definition(&self, shape: Shape) -> Result<(String, Arc<str>, usize), ApplyFailure> {
-        let rel = self.rel(shape.relation)?;
-        let Some(key_cols) = rel.key_names() else {
-            return Err(ApplyFailure::new(
-                Some(&rel.display),
-                "internal: batch without a key",
-            ));
-        };
-        let key_types = rel.key_types();
-        let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
-        let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
-        let settable: Vec<usize> = (0..cols.len())
-            .filter(|&i| !rel.always_identity.get(i).copied().unwrap_or(false))
+    /// The procedure's signature and body for `shape`, the first table's
+    /// name for errors, and the value arrays it takes.
+    fn batch_definition(&self, shape: &Shape) -> Result<(String, Arc<str>, usize), ApplyFailure> {
+        struct Names<'r> {
+            rel: &'r LocalRelation,
+            key_cols: Vec<&'r str>,
+            key_types: Vec<&'r str>,
+            cols: Vec<&'r str>,
+            types: Vec<&'r str>,
+            set_cols: Vec<&'r str>,
+            set_types: Vec<&'r str>,
+        }
+        let mut names = Vec::with_capacity(shape.0.len());
+        for (oid, _) in shape.0.iter() {
+            let rel = self.rel(*oid)?;
+            let Some(key_cols) = rel.key_names() else {
+                return Err(ApplyFailure::new(
+                    Some(&rel.display),
+                    "internal: batch without a key",
+                ));
+            };
+            let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
+            let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
+            let settable: Vec<usize> = (0..cols.len())
+                .filter(|&i| !rel.always_identity.get(i).copied().unwrap_or(false))
+                .collect();
+            names.push(Names {
+                rel,
+                key_cols,
+                key_types: rel.key_types(),
+                set_cols: settable.iter().map(|&i| cols[i]).collect(),
+                set_types: settable.iter().map(|&i| types[i]).collect(),
+                cols,
+                types,
+            });
+        }
+        let steps: Vec<BatchStep<'_>> = shape
+            .0
+            .iter()
+            .zip(&names)
+            .map(|((_, kind), n)| BatchStep {
+                table: &n.rel.table_sql,
+                relid: n.rel.relid,
+                change: match *kind {
+                    Kind::Insert => BatchChange::Insert {
+                        cols: &n.cols,
+                        types: &n.types,
+                        key_cols: &n.key_cols,
+                    },
+                    Kind::Update => BatchChange::Update {
+                        set_cols: &n.set_cols,
+                        set_types: &n.set_types,
+                        key_cols: &n.key_cols,
+                        key_types: &n.key_types,
+                    },
+                    Kind::Delete(tombstones) => BatchChange::Delete {
+                        key_cols: &n.key_cols,
+                        key_types: &n.key_types,
+                        tombstones,
+                    },
+                },
+            })
             .collect();
-        let set_cols: Vec<&str> = settable.iter().map(|&i| cols[i]).collect();
-        let set_types: Vec<&str> = settable.iter().map(|&i| types[i]).collect();
-        let change = match shape.kind {
-            Kind::Insert => BatchChange::Insert {
-                cols: &cols,
-                types: &types,
-                key_cols: &key_cols,
-            },
-            Kind::Update => BatchChange::Update {
-                set_cols: &set_cols,
-                set_types: &set_types,
-                key_cols: &key_cols,
-                key_types: &key_types,
-            },
-            Kind::Delete(tombstones) => BatchChange::Delete {
-                key_cols: &key_cols,
-                key_types: &key_types,
-                tombstones,
-            },
-        };
+        let display = names
+            .first()
+            .map(|n| Arc::clone(&n.rel.display))
+            .unwrap_or_else(|| Arc::from(""));
         Ok((
-            sql::batch_procedure(&rel.table_sql, rel.relid, &change),
-            Arc::clone(&rel.display),
-            change.arrays(),
+            sql::batch_procedure(&steps),
+            display,
+            steps.iter().map(|s| s.change.arrays()).sum(),
         ))
     }
 
@@ -165,56 +209,58 @@ impl Applier {
     /// array per value the procedure takes, over the batch's transactions.
     fn batch_params(
         &self,
-        shape: Shape,
+        shape: &Shape,
         txns: &[Held],
         arrays: usize,
     ) -> Result<Vec<Param>, ApplyFailure> {
-        let rel = self.rel(shape.relation)?;
         let mut columns: Vec<Vec<Option<Bytes>>> = (0..arrays)
             .map(|_| Vec::with_capacity(txns.len()))
             .collect();
         for (_, _, msgs) in txns {
-            let change = msgs
-                .iter()
-                .find(|m| super::hot::relation_of(m).is_some())
-                .ok_or_else(|| {
-                    ApplyFailure::new(
-                        Some(&rel.display),
-                        "internal: a batch's transaction without its change",
-                    )
-                })?;
-            let values = match change {
-                Message::Insert(i) => tuple_params(&i.new, rel, None)?,
-                Message::Update(u) => {
-                    let mut v = tuple_params(&u.new, rel, Some(&rel.set_mask(&u.new)))?;
-                    v.extend(locate(rel, None, Some(&u.new))?.1);
-                    v
-                }
-                Message::Delete(d) => locate(rel, Some(&d.old), None)?.1,
-                other => {
-                    return Err(ApplyFailure::new(
-                        Some(&rel.display),
-                        format!("internal: {} in a batch", other.name()),
-                    ));
-                }
-            };
-            if values.len() != arrays {
-                return Err(ApplyFailure::new(
-                    Some(&rel.display),
-                    "internal: a batch's change does not fit its procedure",
-                ));
-            }
-            for (col, v) in columns.iter_mut().zip(values) {
-                col.push(match v {
-                    Param::Null => None,
-                    Param::Text(b) => Some(b),
-                    Param::Binary(_) => {
+            let mut col = 0;
+            let changes = msgs.iter().filter(|m| super::hot::relation_of(m).is_some());
+            for (change, (oid, _)) in changes.zip(shape.0.iter()) {
+                let rel = self.rel(*oid)?;
+                let values = match change {
+                    Message::Insert(i) => tuple_params(&i.new, rel, None)?,
+                    Message::Update(u) => {
+                        let mut v = tuple_params(&u.new, rel, Some(&rel.set_mask(&u.new)))?;
+                        v.extend(locate(rel, None, Some(&u.new))?.1);
+                        v
+                    }
+                    Message::Delete(d) => locate(rel, Some(&d.old), None)?.1,
+                    other => {
                         return Err(ApplyFailure::new(
                             Some(&rel.display),
-                            "internal: a binary value in a batch",
+                            format!("internal: {} in a batch", other.name()),
                         ));
                     }
-                });
+                };
+                for v in values {
+                    let Some(column) = columns.get_mut(col) else {
+                        return Err(ApplyFailure::new(
+                            Some(&rel.display),
+                            "internal: a batch's change does not fit its procedure",
+                        ));
+                    };
+                    column.push(match v {
+                        Param::Null => None,
+                        Param::Text(b) => Some(b),
+                        Param::Binary(_) => {
+                            return Err(ApplyFailure::new(
+                                Some(&rel.display),
+                                "internal: a binary value in a batch",
+                            ));
+                        }
+                    });
+                    col += 1;
+                }
+            }
+            if col != arrays {
+                return Err(ApplyFailure::new(
+                    None,
+                    "internal: a batch's transaction does not fit its procedure",
+                ));
             }
         }
         let Some((last, _, _)) = txns.last() else {
@@ -253,7 +299,7 @@ impl Applier {
         {
             return self.send_each(txns).await;
         }
-        let (def, display, arrays) = match self.batch_definition(shape) {
+        let (def, display, arrays) = match self.batch_definition(&shape) {
             Ok(d) => d,
             Err(_) => return self.send_each(txns).await,
         };
@@ -274,7 +320,7 @@ impl Applier {
         let Some(name) = name.filter(|_| self.streak == 0) else {
             return self.send_each(txns).await;
         };
-        let params = match self.batch_params(shape, &txns, arrays) {
+        let params = match self.batch_params(&shape, &txns, arrays) {
             Ok(p) => p,
             // A value that cannot go (a column the publisher did not send,
             // ...): the fast path names it, transaction by transaction.

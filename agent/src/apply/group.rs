@@ -127,17 +127,14 @@ impl Applier {
         true
     }
 
-    /// Holds `meta` in the batch (`batch.rs`) when it is one row change
-    /// of the batch's shape. Every transaction keeps its own commit, so no
+    /// Holds `meta` in the batch (`batch.rs`) when its row changes have
+    /// the batch's shape. Every transaction keeps its own commit, so no
     /// third node's announcements are needed, unlike a group's.
     fn may_batch(&mut self, meta: &TxnMeta, body: &TxnBody, msgs: Arc<Vec<Message>>) -> bool {
-        let Some(change) = body.single_change() else {
+        let Some(shape) = self.batch_shape(&msgs) else {
             return false;
         };
-        let Some(shape) = self.batch_shape(&change) else {
-            return false;
-        };
-        if self.group.batch.is_some_and(|s| s != shape) && self.group_open() {
+        if self.group_open() && self.group.batch.as_ref().is_some_and(|s| *s != shape) {
             return false;
         }
         self.group.batch = Some(shape);

@@ -186,8 +186,9 @@ struct Raw {
     procs: HashMap<Arc<str>, String>,
 }
 
-/// Batch procedures one session may create: one per table and kind of
-/// change, more only as relations are described again.
+/// Batch procedures one session may create: one per shape of transaction
+/// (its tables and kinds of change), more as relations are described
+/// again. Past it, transactions go one statement each.
 const MAX_PROCS: usize = 256;
 
 /// The transaction block a fused statement gets on the pipelined session:

@@ -910,8 +910,8 @@ pub fn delete_ctid(table: &str) -> String {
     format!("DELETE FROM {table} WHERE {}", at_row(1))
 }
 
-/// One single-change transaction of a batch procedure (`batch.rs`): the
-/// row statement as the fused fast path runs it, over the procedure's
+/// One row change of each transaction a batch procedure applies
+/// (`batch.rs`): the row statement as the fast path runs it, over the procedure's
 /// per-transaction arrays (`mm_c<n>[mm_i]`, each cast to its column's
 /// local type, as the fast path casts its text parameters).
 #[derive(Debug, Clone)]
@@ -974,31 +974,21 @@ fn batch_key_match(key_cols: &[&str], key_types: &[&str], first: usize) -> Strin
 const BATCH_GUARD: &str = "CASE WHEN mm.routine(mm_t.xmin, mm_origins, mm_ts[mm_i], mm_wm_ids, mm_wm_ts) \
                            THEN true ELSE mm.conflict() END";
 
-/// The signature and body of a batch procedure (after `CREATE PROCEDURE
-/// <name>`): applies each transaction of the batch as the fused fast path
-/// would (`fast_insert`, `fast_update`, `fast_delete` with
-/// `Commit::Fused`), and commits it on its own: its progress record, its
-/// commit timestamp through the origin, COMMIT. A failure raises the same
-/// error the fused statement would (`mm.one_row`, `mm.progress_one`,
-/// `mm.conflict()`, the table's own), rolling back only the transaction
-/// it met; those before it stay committed (their progress says so).
-///
-/// Names: the procedure's variables are all `mm_`-prefixed and
-/// `#variable_conflict use_variable` makes them win over any column; a
-/// user's column is only ever named qualified (`mm_t."c"`, `d."c"`) or
-/// where no variable can stand (an INSERT's column list, a SET target),
-/// so no user identifier can capture one of ours, nor ours a user's.
-/// The body is dollar-quoted with a tag it does not contain.
-pub fn batch_procedure(table: &str, relid: u32, change: &BatchChange<'_>) -> String {
-    let mut sig = String::from(
-        "(mm_o text, mm_prev pg_lsn, mm_origins oid[], mm_wm_ids oid[], \
-         mm_wm_ts timestamptz[], mm_end pg_lsn[], mm_ts timestamptz[]",
-    );
-    for n in 1..=change.arrays() {
-        let _ = write!(sig, ", mm_c{n} text[]");
-    }
-    sig.push(')');
-    let row = match change {
+/// One row change of every transaction a batch procedure applies: its
+/// table (SQL name and oid, for tombstones and the re-check) and how.
+#[derive(Debug, Clone)]
+pub struct BatchStep<'a> {
+    pub table: &'a str,
+    pub relid: u32,
+    pub change: BatchChange<'a>,
+}
+
+/// The statements of `step` in the procedure's loop, its value arrays
+/// numbered from `mm_c<first>`.
+fn batch_row(step: &BatchStep<'_>, first: usize) -> String {
+    let (table, relid) = (step.table, step.relid);
+    let arr = |i: usize| format!("mm_c{}[mm_i]", first + i);
+    match &step.change {
         BatchChange::Insert {
             cols,
             types,
@@ -1008,7 +998,7 @@ pub fn batch_procedure(table: &str, relid: u32, change: &BatchChange<'_>) -> Str
             let values: Vec<String> = types
                 .iter()
                 .enumerate()
-                .map(|(i, ty)| format!("mm_c{}[mm_i]::{ty}", i + 1))
+                .map(|(i, ty)| format!("{}::{ty}", arr(i)))
                 .collect();
             let key = key_json(key_cols, |_, c| format!("mm_t.{}", quote_ident(c)));
             format!(
@@ -1029,13 +1019,13 @@ pub fn batch_procedure(table: &str, relid: u32, change: &BatchChange<'_>) -> Str
                 .iter()
                 .zip(*set_types)
                 .enumerate()
-                .map(|(i, (c, ty))| format!("{} = mm_c{}[mm_i]::{ty}", quote_ident(c), i + 1))
+                .map(|(i, (c, ty))| format!("{} = {}::{ty}", quote_ident(c), arr(i)))
                 .collect();
             format!(
                 "UPDATE {table} AS mm_t SET {} WHERE {}{BATCH_GUARD};\n    \
                  IF NOT FOUND THEN PERFORM 0::mm.one_row; END IF;",
                 set.join(", "),
-                batch_key_match(key_cols, key_types, set_cols.len() + 1)
+                batch_key_match(key_cols, key_types, first + set_cols.len())
             )
         }
         BatchChange::Delete {
@@ -1048,12 +1038,47 @@ pub fn batch_procedure(table: &str, relid: u32, change: &BatchChange<'_>) -> Str
                 "WITH d AS (DELETE FROM {table} AS mm_t WHERE {}{BATCH_GUARD} RETURNING {}) \
                  INSERT INTO mm.tombstones (relid, key) SELECT {relid}, {key} FROM d{};\n    \
                  IF NOT FOUND THEN PERFORM 0::mm.one_row; END IF;",
-                batch_key_match(key_cols, key_types, 1),
+                batch_key_match(key_cols, key_types, first),
                 ret.join(", "),
                 tombstones.clause()
             )
         }
-    };
+    }
+}
+
+/// The signature and body of a batch procedure (after `CREATE PROCEDURE
+/// <name>`): applies each transaction of the batch, its row changes
+/// (`steps`) in order, as the fast path would (`fast_insert`,
+/// `fast_update`, `fast_delete`, with their checks), and commits it on its
+/// own: its progress record, its
+/// commit timestamp through the origin, COMMIT. A failure raises the same
+/// error the fused statement would (`mm.one_row`, `mm.progress_one`,
+/// `mm.conflict()`, the table's own), rolling back only the transaction
+/// it met; those before it stay committed (their progress says so).
+///
+/// Names: the procedure's variables are all `mm_`-prefixed and
+/// `#variable_conflict use_variable` makes them win over any column; a
+/// user's column is only ever named qualified (`mm_t."c"`, `d."c"`) or
+/// where no variable can stand (an INSERT's column list, a SET target),
+/// so no user identifier can capture one of ours, nor ours a user's.
+/// The body is dollar-quoted with a tag it does not contain.
+pub fn batch_procedure(steps: &[BatchStep<'_>]) -> String {
+    let arrays: usize = steps.iter().map(|s| s.change.arrays()).sum();
+    let mut sig = String::from(
+        "(mm_o text, mm_prev pg_lsn, mm_origins oid[], mm_wm_ids oid[], \
+         mm_wm_ts timestamptz[], mm_end pg_lsn[], mm_ts timestamptz[]",
+    );
+    for n in 1..=arrays {
+        let _ = write!(sig, ", mm_c{n} text[]");
+    }
+    sig.push(')');
+    let mut rows = Vec::with_capacity(steps.len());
+    let mut first = 1;
+    for step in steps {
+        rows.push(batch_row(step, first));
+        first += step.change.arrays();
+    }
+    let row = rows.join("\n    ");
     let body = format!(
         "\n#variable_conflict use_variable\nDECLARE\n  mm_i int;\n  mm_key jsonb;\nBEGIN\n  \
          FOR mm_i IN 1 .. pg_catalog.array_length(mm_end, 1) LOOP\n    {row}\n    \
@@ -1305,15 +1330,15 @@ mod tests {
     fn batch_procedures_quote_their_body_with_a_tag_it_lacks() {
         let t = qualified("public", "acc");
         let cols = ["$mm_batch0$", "v"];
-        let def = batch_procedure(
-            &t,
-            42,
-            &BatchChange::Insert {
+        let def = batch_procedure(&[BatchStep {
+            table: &t,
+            relid: 42,
+            change: BatchChange::Insert {
                 cols: &cols,
                 types: &["text", "integer"],
                 key_cols: &["$mm_batch0$"],
             },
-        );
+        }]);
         assert!(
             def.contains(" LANGUAGE plpgsql AS $mm_batch1$\n#variable_conflict use_variable\n")
         );
@@ -1327,6 +1352,47 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_of_two_changes_per_transaction_numbers_its_arrays_on() {
+        let (t, h) = (qualified("public", "acc"), qualified("public", "hist"));
+        let steps = [
+            BatchStep {
+                table: &t,
+                relid: 7,
+                change: BatchChange::Update {
+                    set_cols: &["id", "n"],
+                    set_types: &["bigint", "bigint"],
+                    key_cols: &["id"],
+                    key_types: &["bigint"],
+                },
+            },
+            BatchStep {
+                table: &h,
+                relid: 8,
+                change: BatchChange::Insert {
+                    cols: &["id", "v"],
+                    types: &["bigint", "text"],
+                    key_cols: &["id"],
+                },
+            },
+        ];
+        let def = batch_procedure(&steps);
+        assert!(def.contains(", mm_c5 text[])"));
+        assert!(!def.contains("mm_c6"));
+        assert!(def.contains(
+            "SET \"id\" = mm_c1[mm_i]::bigint, \"n\" = mm_c2[mm_i]::bigint WHERE mm_t.\"id\" = mm_c3[mm_i]::bigint AND"
+        ));
+        assert!(def.contains("VALUES (mm_c4[mm_i]::bigint, mm_c5[mm_i]::text)"));
+        // The update's checks come before the insert, both before the
+        // transaction's progress record and COMMIT.
+        let (u, i, p) = (
+            def.find("UPDATE \"public\".\"acc\"").unwrap_or(usize::MAX),
+            def.find("INSERT INTO \"public\".\"hist\"").unwrap_or(0),
+            def.find("UPDATE mm.apply_progress").unwrap_or(0),
+        );
+        assert!(u < i && i < p, "{def}");
+    }
+
+    #[test]
     fn a_batch_update_sets_its_columns_and_finds_the_row_by_the_arrays_after_them() {
         let t = qualified("public", "acc");
         let change = BatchChange::Update {
@@ -1336,7 +1402,11 @@ mod tests {
             key_types: &["integer"],
         };
         assert_eq!(change.arrays(), 3);
-        let def = batch_procedure(&t, 7, &change);
+        let def = batch_procedure(&[BatchStep {
+            table: &t,
+            relid: 7,
+            change: change.clone(),
+        }]);
         assert!(def.starts_with(
             "(mm_o text, mm_prev pg_lsn, mm_origins oid[], mm_wm_ids oid[], mm_wm_ts timestamptz[], \
              mm_end pg_lsn[], mm_ts timestamptz[], mm_c1 text[], mm_c2 text[], mm_c3 text[])"
