@@ -191,6 +191,17 @@ impl TestCluster {
         v.parse().with_context(|| format!("{sql}: {v}"))
     }
 
+    /// The batch procedures (`apply/batch.rs`) node `i`'s apply sessions
+    /// created: temporary procedures `pg_temp_N.mm_batch_K`.
+    pub async fn batch_procedures(&self, i: usize) -> Result<i64> {
+        self.value(
+            i,
+            "SELECT count(*) FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n \
+             ON n.oid = p.pronamespace WHERE n.nspname LIKE 'pg\\_temp\\_%' AND p.proname LIKE 'mm\\_batch\\_%'",
+        )
+        .await
+    }
+
     /// Runs each statement as its own transaction on node `i`.
     pub async fn run_each(&self, i: usize, stmts: &[String]) -> Result<()> {
         let client = self.pg[i].connect().await?;

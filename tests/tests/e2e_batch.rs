@@ -16,16 +16,6 @@ use mm_tests::TestCluster;
 
 const SCHEMA: &str = "CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL);";
 
-/// The batch procedures the apply sessions of node `i` created.
-async fn procedures(c: &TestCluster, i: usize) -> Result<i64> {
-    c.value(
-        i,
-        "SELECT count(*) FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n \
-         ON n.oid = p.pronamespace WHERE n.nspname LIKE 'pg\\_temp\\_%' AND p.proname LIKE 'mm\\_batch\\_%'",
-    )
-    .await
-}
-
 /// 3000 single-row transactions (inserts, then updates and deletes of some
 /// of those rows) wait behind a paused stream; two of the inserted keys
 /// were written on the subscriber earlier. After resuming: identical nodes
@@ -53,7 +43,7 @@ async fn a_backlog_of_single_row_transactions_is_applied_in_batches_each_committ
     )
     .await
     .context("row versions differ")?;
-    let procs = procedures(&c, 1).await?;
+    let procs = c.batch_procedures(1).await?;
     ensure!(
         procs >= 3,
         "{procs} batch procedures on bat2: inserts, updates and deletes were not batched"
@@ -77,7 +67,7 @@ async fn an_error_in_a_batch_names_its_transaction_and_keeps_those_before_it() -
         .await?;
     ensure!(xids == 50, "{xids} local transactions applied 50");
     ensure!(
-        procedures(&c, 1).await? >= 1,
+        c.batch_procedures(1).await? >= 1,
         "no batch procedure on berr2: the backlog was not batched"
     );
     Ok(())
@@ -121,7 +111,7 @@ async fn batches_keep_hostile_names_as_data() -> Result<()> {
         .await?;
     ensure!(updated == 120, "{updated} rows updated on bhn2, want 120");
     ensure!(
-        procedures(&c, 1).await? >= 3,
+        c.batch_procedures(1).await? >= 3,
         "the hostile table's changes were not batched"
     );
     Ok(())
@@ -196,8 +186,99 @@ async fn transactions_of_several_changes_are_batched_each_committed_whole() -> R
     .await
     .context("row versions differ")?;
     ensure!(
-        procedures(&c, 1).await? >= 1,
+        c.batch_procedures(1).await? >= 1,
         "the two-change transactions were not batched"
+    );
+    Ok(())
+}
+
+/// An insert in the middle of a batch meets a tombstone newer than it: the
+/// subscriber inserted the same key after the publisher and deleted it
+/// again. Only the re-check after the insert sees the tombstone (the row is
+/// gone, so the insert itself goes in); the delete wins, the key stays
+/// deleted on both nodes, and the transactions around it stay batched and
+/// applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_in_a_batch_loses_to_a_newer_delete_of_its_key() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["btb1", "btb2"], SCHEMA).await?;
+    c.pause("btb1", "btb2").await?;
+    c.pause("btb2", "btb1").await?;
+    let mut stmts: Vec<String> = (1001..=1300)
+        .map(|id| format!("INSERT INTO items VALUES ({id}, {id})"))
+        .collect();
+    stmts.insert(150, "INSERT INTO items VALUES (5, 5)".to_owned());
+    c.run_each(0, &stmts).await?;
+    // Newer than the publisher's insert of key 5: the subscriber's delete.
+    c.run_each(
+        1,
+        &[
+            "INSERT INTO items VALUES (5, -5)".to_owned(),
+            "DELETE FROM items WHERE id = 5".to_owned(),
+        ],
+    )
+    .await?;
+    c.resume("btb1", "btb2").await?;
+    c.resume("btb2", "btb1").await?;
+    c.wait_sync(120).await?;
+
+    let rows = c.assert_same("SELECT id, v FROM items ORDER BY id").await?;
+    ensure!(rows.len() == 300, "{} rows, want 300", rows.len());
+    ensure!(
+        c.value(1, "SELECT count(*) FROM items WHERE id = 5")
+            .await?
+            == 0,
+        "the publisher's older insert of key 5 outlived btb2's newer delete"
+    );
+    let logged = c
+        .value(
+            1,
+            "SELECT count(*) FROM mm.conflict_log WHERE key->>'id' = '5'",
+        )
+        .await?;
+    ensure!(
+        logged == 1,
+        "{logged} conflicts on key 5 logged on btb2, want 1"
+    );
+    ensure!(
+        c.batch_procedures(1).await? >= 1,
+        "the inserts were not batched"
+    );
+    Ok(())
+}
+
+/// Transactions that insert a key and delete it again: the delete writes
+/// the key's tombstone in the same transaction, which the insert's
+/// re-check must not take for someone else's. No conflict, no rollback,
+/// nothing left, still batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_deleting_the_key_it_inserted_is_no_conflict() -> Result<()> {
+    mm_tests::init_tracing();
+    let c = TestCluster::start(&["bid1", "bid2"], SCHEMA).await?;
+    c.pause("bid1", "bid2").await?;
+    let stmts: Vec<String> = (1..=200)
+        .map(|id| {
+            format!(
+                "BEGIN; INSERT INTO items VALUES ({id}, {id}); \
+                 DELETE FROM items WHERE id = {id}; COMMIT"
+            )
+        })
+        .collect();
+    c.run_each(0, &stmts).await?;
+    c.resume("bid1", "bid2").await?;
+    c.wait_sync(120).await?;
+    let rows = c.assert_same("SELECT id, v FROM items ORDER BY id").await?;
+    ensure!(rows.is_empty(), "{} rows left", rows.len());
+    let conflicts = c.value(1, "SELECT count(*) FROM mm.conflict_log").await?;
+    ensure!(conflicts == 0, "{conflicts} conflicts logged on bid2");
+    let s = c.stream_status("bid1", "bid2").await?;
+    ensure!(
+        s["conflict_rollbacks"].as_u64() == Some(0),
+        "a transaction's own tombstone rolled its batch back on bid2: {s}"
+    );
+    ensure!(
+        c.batch_procedures(1).await? >= 1,
+        "the insert-and-delete transactions were not batched"
     );
     Ok(())
 }

@@ -474,7 +474,9 @@ $fn$;
 -- joining a function scan (mm.insert_recheck now does the same). Measured
 -- with callgrind on a single-row INSERT transaction as the apply session
 -- sends it: 99k instructions for mm.insert_recheck as it was, 70k for this
--- (of ~270k for the whole transaction).
+-- (of ~270k for the whole transaction). The batch procedure writes the same
+-- two checks into its progress record instead of calling this (sql.rs,
+-- `batch_insert_recheck`, where it says why): change both together.
 CREATE OR REPLACE FUNCTION mm.insert_recheck_key(
     p_rel oid, p_key jsonb, p_ts timestamptz, p_origin oid[])
 RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
