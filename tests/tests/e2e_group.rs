@@ -72,7 +72,7 @@ async fn a_backlog_of_small_transactions_is_applied_in_groups_exactly_once() -> 
 
 /// With a third node whose agent is down, its changes may still be on
 /// their way: a backlog from the first node is applied one local
-/// transaction per remote one. Once the third node is back and heard
+/// transaction per remote one (in batches, each committed on its own). Once the third node is back and heard
 /// from, the next backlog is grouped again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
@@ -91,6 +91,11 @@ async fn a_silent_third_node_keeps_transactions_apart() -> Result<()> {
     ensure!(
         xids == 500,
         "{xids} local transactions applied 500 while gsl3 was silent"
+    );
+    // Apart, but not one statement each: batches commit each on its own.
+    ensure!(
+        c.batch_procedures(1).await? >= 1,
+        "transactions the groups refused were not batched"
     );
 
     c.agents[2].start()?;

@@ -33,6 +33,11 @@
 //! - Durability-gated feedback: unchanged; the last commit of the batch is
 //!   the last applied commit.
 //!
+//! With groups on (`replication.group_transactions` > 1), transactions a
+//! group refuses (a third node not heard from lately,
+//! `Watermarks::may_group`) are batched the same way: each keeps its own
+//! commit, so none of a group's conditions apply.
+//!
 //! A batch is held like a group (`group.rs`: sent when full, when a
 //! transaction that cannot join arrives, before the stream would wait for
 //! the publisher), so it adds no latency to a stream that keeps up.

@@ -61,8 +61,8 @@ pub(crate) struct Group {
     wm: Option<Arc<Watermark>>,
     /// The last group sent was full: the stream is working off a backlog.
     last_full: bool,
-    /// Held as a batch (`batch.rs`: groups are off): transactions of one
-    /// change each, of this shape, each to commit on its own.
+    /// Held as a batch (`batch.rs`: groups are off, or would not take
+    /// these): transactions of this shape, each to commit on its own.
     batch: Option<super::batch::Shape>,
 }
 
@@ -110,17 +110,20 @@ impl Applier {
         let Some(msgs) = body.messages() else {
             return false;
         };
-        if self.ctx.group_transactions <= 1 {
+        if self.ctx.group_transactions <= 1 || self.group.batch.is_some() {
             return self.may_batch(meta, body, msgs);
         }
-        if !self.groupable(&msgs) {
-            return false;
-        }
-        let Some(ts) = meta.commit_ts.to_datetime() else {
-            return false;
-        };
-        if !self.ctx.applied.may_group(&self.ctx.peer, ts) {
-            return false;
+        let grouped = self.groupable(&msgs)
+            && meta
+                .commit_ts
+                .to_datetime()
+                .is_some_and(|ts| self.ctx.applied.may_group(&self.ctx.peer, ts));
+        if !grouped {
+            // What a group refuses (a third node not heard from lately,
+            // a shape groups do not take) may still go in a batch, each
+            // transaction committed on its own: a batch needs no third
+            // node's announcements.
+            return !self.group_open() && self.may_batch(meta, body, msgs);
         }
         self.group.txns.push((*meta, Arc::clone(body), msgs));
         self.group.wm = Some(Arc::clone(&self.wm));
@@ -131,6 +134,9 @@ impl Applier {
     /// the batch's shape. Every transaction keeps its own commit, so no
     /// third node's announcements are needed, unlike a group's.
     fn may_batch(&mut self, meta: &TxnMeta, body: &TxnBody, msgs: Arc<Vec<Message>>) -> bool {
+        if self.batch_limit().is_none() {
+            return false;
+        }
         let Some(shape) = self.batch_shape(&msgs) else {
             return false;
         };
@@ -143,13 +149,19 @@ impl Applier {
         true
     }
 
-    /// Transactions a group holds at most: `group_transactions`, or a
-    /// batch's when groups are off and the session can run batches; None
-    /// when neither is used.
+    /// Transactions a group holds at most: a batch's when it holds one
+    /// (or groups are off and batches can be run), `group_transactions`
+    /// otherwise; None when neither is used.
     fn group_limit(&self) -> Option<usize> {
-        if self.ctx.group_transactions > 1 {
+        if self.ctx.group_transactions > 1 && self.group.batch.is_none() {
             return Some(self.ctx.group_transactions);
         }
+        self.batch_limit()
+    }
+
+    /// Transactions a batch holds at most, when the session can run
+    /// batches (one lane, the procedure could be created).
+    fn batch_limit(&self) -> Option<usize> {
         (self.lanes.is_none() && self.pipe.as_ref().is_some_and(|p| p.batches()))
             .then_some(super::batch::BATCH_TXNS)
     }
@@ -199,6 +211,7 @@ impl Applier {
         let Some(wm) = self.group.wm.take() else {
             return Ok(());
         };
+        let limit = self.group_limit();
         let txns = std::mem::take(&mut self.group.txns);
         let batch = self.group.batch.take();
         tracing::debug!(
@@ -206,7 +219,7 @@ impl Applier {
             batch = batch.is_some(),
             "sending a group"
         );
-        self.group.last_full = self.group_limit().is_some_and(|l| txns.len() >= l);
+        self.group.last_full = limit.is_some_and(|l| txns.len() >= l);
         // Their checks use the watermark they came under.
         let now = std::mem::replace(&mut self.wm, wm);
         let r = match batch {
