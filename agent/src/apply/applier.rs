@@ -12,135 +12,15 @@ use tokio_postgres::{Client, Statement};
 
 use super::pipeline::{Done, Pipeline, Stmt, StmtNames};
 use super::relation::LocalRelation;
-use super::sql;
+use super::txn::{TxnBody, TxnMeta};
 use super::{ApplyFailure, Param};
 use crate::conflict::TableResolvers;
 
-/// Statements in flight per transaction before we wait for replies.
-const PIPELINE_WINDOW: usize = 2048;
-
 /// The local WAL insert and flush positions, and the session's count of
 /// routine changes (`mm.routine`).
-const WAL_POSITIONS: &str = "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, \
+pub(super) const WAL_POSITIONS: &str = "SELECT pg_catalog.pg_current_wal_insert_lsn()::text, \
      pg_catalog.pg_current_wal_flush_lsn()::text, \
      pg_catalog.current_setting('mm.routine_changes', true)";
-
-/// Identity of the remote transaction being applied.
-#[derive(Debug, Clone, Copy)]
-pub struct TxnMeta {
-    pub xid: u32,
-    pub commit_lsn: Lsn,
-    /// Stored as the applied progress: START_REPLICATION resumes from it.
-    pub end_lsn: Lsn,
-    pub commit_ts: PgTimestamp,
-}
-
-impl TxnMeta {
-    /// A streamed transaction applied before its STREAM COMMIT arrived
-    /// (`early.rs`): its commit LSN, end and timestamp are not known yet.
-    /// The timestamp stands at `-infinity`, which makes every fast-path
-    /// check that compares it conservative: an older local version from
-    /// another origin is never taken as routine (`mm.routine`), any
-    /// truncate but the publisher's own counts as newer
-    /// (`mm.insert_recheck`); such a change is
-    /// sent to the resolver, at the commit, with the real timestamp.
-    pub fn streaming(xid: u32) -> TxnMeta {
-        TxnMeta {
-            xid,
-            commit_lsn: Lsn::INVALID,
-            end_lsn: Lsn::INVALID,
-            commit_ts: PgTimestamp::NEG_INFINITY,
-        }
-    }
-
-    /// False while a streamed transaction is applied before its commit.
-    pub fn commit_known(&self) -> bool {
-        self.commit_ts != PgTimestamp::NEG_INFINITY
-    }
-}
-
-/// Where a transaction's messages come from: memory for ordinary transactions,
-/// the spool file for streamed ones.
-pub trait ChangeSource: Send {
-    fn next_message(&mut self) -> Result<Option<Message>, ApplyFailure>;
-}
-
-impl ChangeSource for std::vec::IntoIter<Message> {
-    fn next_message(&mut self) -> Result<Option<Message>, ApplyFailure> {
-        Ok(self.next())
-    }
-}
-
-/// A transaction's changes, readable again: a transaction that meets a
-/// conflict on the fast path is rolled back and applied once more with the
-/// resolver, and so are the ones pipelined behind it.
-pub trait Replayable: Send + Sync {
-    fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure>;
-
-    /// The transaction's change when it is its only one (a row insert,
-    /// update or delete, with no RELATION message before it): such a
-    /// transaction is applied as one statement (`sql::Commit::Fused`).
-    fn single_change(&self) -> Option<Message> {
-        None
-    }
-
-    /// Every message, when the transaction is held in memory: what an
-    /// apply lane's scheduler reads its write set from (`lanes.rs`).
-    fn messages(&self) -> Option<Arc<Vec<Message>>> {
-        None
-    }
-}
-
-/// A transaction received whole, kept in memory until it commits here.
-pub struct InMemory(pub Arc<Vec<Message>>);
-
-struct InMemoryReader {
-    msgs: Arc<Vec<Message>>,
-    next: usize,
-}
-
-impl ChangeSource for InMemoryReader {
-    /// Clones one message at a time (its values are shared `Bytes`), never
-    /// the whole transaction.
-    fn next_message(&mut self) -> Result<Option<Message>, ApplyFailure> {
-        let m = self.msgs.get(self.next).cloned();
-        self.next += 1;
-        Ok(m)
-    }
-}
-
-impl Replayable for InMemory {
-    fn open(&self) -> Result<Box<dyn ChangeSource>, ApplyFailure> {
-        Ok(Box::new(InMemoryReader {
-            msgs: Arc::clone(&self.0),
-            next: 0,
-        }))
-    }
-
-    fn single_change(&self) -> Option<Message> {
-        let mut change = None;
-        for m in self.0.iter() {
-            match m {
-                Message::Insert(_) | Message::Update(_) | Message::Delete(_)
-                    if change.is_none() =>
-                {
-                    change = Some(m)
-                }
-                Message::Message(msg) if is_partition_truncate(msg) => return None,
-                // Nothing to apply (see `queue`).
-                Message::Type(_) | Message::Message(_) | Message::Origin(_) => {}
-                _ => return None,
-            }
-        }
-        change.cloned()
-    }
-
-    fn messages(&self) -> Option<Arc<Vec<Message>>> {
-        Some(Arc::clone(&self.0))
-    }
-}
-
-pub type TxnBody = Arc<dyn Replayable>;
 
 /// The publisher's watermark as of some point of its stream: per origin
 /// node, the newest commit timestamp it had applied (see `watermark`). Each
@@ -153,6 +33,20 @@ pub struct Watermark {
     /// The same as `mm.routine` parameters: origin ids and timestamps, and
     /// the timestamps less `watermark::ORDER_MARGIN` (`Guard::params`).
     params: (Param, Param, Param),
+}
+
+impl Watermark {
+    /// No announcement yet: nothing is routine by a watermark.
+    pub(super) fn none() -> Watermark {
+        Watermark {
+            map: BTreeMap::new(),
+            params: (
+                Param::oid_array(&[]),
+                Param::timestamptz_array(&[]),
+                Param::timestamptz_array(&[]),
+            ),
+        }
+    }
 }
 
 /// The routine test's parameters for one transaction's statements
@@ -231,7 +125,7 @@ pub struct Applier {
     pub(super) origin_params: (Param, Param),
     /// The publisher's watermark in effect for the transaction being queued.
     pub(super) wm: Arc<Watermark>,
-    store_watermark: Statement,
+    pub(super) store_watermark: Statement,
     /// Transactions queued and not yet committed, with their changes, in
     /// order: what `recover` applies again.
     pub(super) queued: VecDeque<(TxnMeta, TxnBody, Arc<Watermark>)>,
@@ -240,9 +134,9 @@ pub struct Applier {
     /// Routine cross-origin changes: counted by `mm.routine` in a session
     /// setting on the fast path (rolled back with their transaction), and
     /// here by the careful path.
-    routine_fast: u64,
-    routine_careful: u64,
-    routine_taken: u64,
+    pub(super) routine_fast: u64,
+    pub(super) routine_careful: u64,
+    pub(super) routine_taken: u64,
     /// Transactions left to apply one at a time after a conflict.
     pub(super) streak: u32,
     /// Keys single-change transactions just met in conflict (`hot.rs`).
@@ -264,11 +158,11 @@ pub struct Applier {
     /// The progress the next queued transaction expects to find stored:
     /// the end of the transaction queued before it.
     pub(super) next_expected: Lsn,
-    wal_positions: Statement,
+    pub(super) wal_positions: Statement,
     /// End LSN of the last remote transaction committed here.
     pub(super) last_applied: Lsn,
     /// Which applied position may be reported as flushed (`durable.rs`).
-    durability: super::durable::DurabilityGate,
+    pub(super) durability: super::durable::DurabilityGate,
     /// A BEGIN was sent whose COMMIT was not: only then is there anything
     /// to roll back (a ROLLBACK outside a transaction makes PostgreSQL log
     /// a warning, once per conflict).
@@ -304,7 +198,7 @@ pub struct Applier {
     pub(super) lane_release: Stmt,
 }
 
-fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
+pub(super) fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
     match s {
         None => Ok(Lsn::INVALID),
         Some(s) => s
@@ -314,258 +208,6 @@ fn parse_lsn(s: Option<String>, what: &str) -> Result<Lsn, ApplyFailure> {
 }
 
 impl Applier {
-    /// Opens the apply session for the stream from `peer`: replica role (no
-    /// user triggers, no FK checks fired twice), the requested commit
-    /// durability, and the peer's replication origin bound to the session (it
-    /// tags our commits so they are never sent back out). Returns the stored
-    /// progress: where the stream must resume.
-    ///
-    /// With `lanes` > 1 it opens that many sessions (`lanes.rs`), each
-    /// with its own origin; `origin` names the stream's progress row.
-    pub async fn open(
-        dsn: &str,
-        password: Option<&str>,
-        origin: &str,
-        synchronous_commit: &str,
-        ctx: ApplyContext,
-        lanes: usize,
-    ) -> Result<(Applier, Lsn), ApplyFailure> {
-        let (mut applier, start) = Self::open_lane(
-            dsn,
-            password,
-            origin,
-            synchronous_commit,
-            ctx.clone(),
-            0,
-            lanes > 1,
-        )
-        .await?;
-        if lanes > 1 {
-            let mut side = Vec::with_capacity(lanes - 1);
-            for k in 1..lanes {
-                let (a, _) = Self::open_lane(
-                    dsn,
-                    password,
-                    origin,
-                    synchronous_commit,
-                    ctx.clone(),
-                    k,
-                    true,
-                )
-                .await?;
-                side.push(a);
-            }
-            // Every lane's origin exists now: each lane must know them all
-            // as the publisher's (a version another lane wrote is its own).
-            applier.load_origins().await?;
-            for a in &mut side {
-                a.load_origins().await?;
-            }
-            applier.lanes = Some(Box::new(super::lanes::Lanes::new(&applier.ctx.peer, side)));
-        }
-        Ok((applier, start))
-    }
-
-    async fn open_lane(
-        dsn: &str,
-        password: Option<&str>,
-        origin: &str,
-        synchronous_commit: &str,
-        ctx: ApplyContext,
-        lane: usize,
-        lanes: bool,
-    ) -> Result<(Applier, Lsn), ApplyFailure> {
-        let client = crate::pg::connect(dsn, password)
-            .await
-            .map_err(|e| ApplyFailure::new(None, e.to_string()))?;
-        let pg = |e: tokio_postgres::Error| ApplyFailure::from_pg(None, &e);
-        let synchronous_commit = match synchronous_commit {
-            "on" | "off" | "local" | "remote_write" | "remote_apply" => synchronous_commit,
-            _ => "off",
-        };
-        let mut settings = vec![
-            "SET session_replication_role = replica".to_owned(),
-            format!("SET synchronous_commit = {synchronous_commit}"),
-        ];
-        settings.extend(super::sql::PLANNER_SETTINGS.map(str::to_owned));
-        client
-            .batch_execute(&settings.join("; "))
-            .await
-            .map_err(pg)?;
-        // The fast path's own session (`pipeline.rs`). Without it (an
-        // option of the DSN only tokio-postgres knows) the fast path runs
-        // on the client session: slower, not wrong.
-        let session = match crate::pg::connect_pipelined(dsn, password, &settings).await {
-            Ok(s) => Some(s),
-            Err(e) => {
-                tracing::warn!(peer = %ctx.peer, error = %e,
-                    "cannot open the pipelined apply session; applying on the client session");
-                None
-            }
-        };
-        let bound = crate::stream::names::lane_origin_name(&ctx.peer, lane);
-        crate::pg::bind_origin(&client, &bound).await.map_err(|e| {
-            let mut f = ApplyFailure::from_pg(None, &e);
-            if f.sqlstate.as_deref() == Some("53400") {
-                f.message = format!(
-                    "no free replication origin slot for apply lane {lane} of the stream from {} ({bound}): \
-                     max_active_replication_origins must be at least (nodes - 1) x replication.apply_lanes + 1 \
-                     ({})",
-                    ctx.peer, f.message
-                );
-            }
-            f
-        })?;
-        client
-            .execute(
-                "INSERT INTO mm.apply_progress (origin, remote_lsn) VALUES ($1, '0/0') \
-                 ON CONFLICT (origin) DO NOTHING",
-                &[&origin],
-            )
-            .await
-            .map_err(pg)?;
-        let row = client
-            .query_one(
-                "SELECT remote_lsn::text FROM mm.apply_progress WHERE origin = $1",
-                &[&origin],
-            )
-            .await
-            .map_err(pg)?;
-        let start = parse_lsn(row.get(0), "stored apply progress")?;
-        // Prepared on the client session for the careful path (and for the
-        // pipeline when it has no session of its own).
-        let stmt_names = StmtNames::default();
-        let mut control = Vec::new();
-        for text in [
-            "BEGIN",
-            "COMMIT",
-            &sql::lane_turn(),
-            sql::LANE_WAIT,
-            sql::LANE_TOKEN,
-            sql::LANE_RELEASE,
-            // One statement records progress (only if the previous
-            // transaction's is in place: see pipeline.rs) and gives the
-            // commit the remote commit timestamp through the origin
-            // (schema.rs).
-            &sql::advance_progress(),
-            &sql::advance_group_progress(),
-        ] {
-            let prepared = client.prepare(text).await.map_err(pg)?;
-            control.push(Stmt::prepared(text, prepared, stmt_names.next()));
-        }
-        let [
-            begin,
-            commit,
-            lane_turn,
-            lane_wait,
-            lane_token,
-            lane_release,
-            advance,
-            advance_group,
-        ]: [Stmt; 8] = control
-            .try_into()
-            .map_err(|_| ApplyFailure::new(None, "internal: control statements"))?;
-        let wal_positions = client.prepare(WAL_POSITIONS).await.map_err(pg)?;
-        let store_watermark = client
-            .prepare("UPDATE mm.apply_progress SET watermark = $2::text::jsonb WHERE origin = $1")
-            .await
-            .map_err(pg)?;
-        let stored_wm: Option<serde_json::Value> = client
-            .query_one(
-                "SELECT watermark FROM mm.apply_progress WHERE origin = $1",
-                &[&origin],
-            )
-            .await
-            .map_err(pg)?
-            .get(0);
-        let skip_rows = client
-            .query(
-                "SELECT commit_lsn::text FROM mm.skip_requests WHERE from_node = $1",
-                &[&ctx.peer],
-            )
-            .await
-            .map_err(pg)?;
-        let mut skips = HashSet::new();
-        for r in skip_rows {
-            skips.insert(parse_lsn(r.get(0), "mm.skip_requests.commit_lsn")?);
-        }
-        let client = Arc::new(client);
-        let mut pipe = Pipeline::new(Arc::clone(&client), PIPELINE_WINDOW);
-        if let Some(session) = session {
-            pipe = pipe.with_session(session, &bound);
-            if lanes {
-                pipe = pipe.eager();
-            }
-        }
-        let mut applier = Applier {
-            pipe: Some(pipe),
-            stmt_names,
-            next_expected: start,
-            client,
-            origin: origin.to_owned(),
-            ctx,
-            peer_roidents: Vec::new(),
-            peer_param: Param::oid_array(&[]),
-            origins: HashMap::new(),
-            origin_params: (Param::oid_array(&[]), Param::text_array(&[])),
-            wm: Arc::new(Watermark {
-                map: BTreeMap::new(),
-                params: (
-                    Param::oid_array(&[]),
-                    Param::timestamptz_array(&[]),
-                    Param::timestamptz_array(&[]),
-                ),
-            }),
-            store_watermark,
-            queued: VecDeque::new(),
-            skips,
-            routine_fast: 0,
-            routine_careful: 0,
-            routine_taken: 0,
-            streak: 0,
-            hot: Default::default(),
-            relations: HashMap::new(),
-            begin,
-            advance,
-            advance_group,
-            group: super::group::Group::default(),
-            commit,
-            wal_positions,
-            last_applied: start,
-            durability: Default::default(),
-            txn_open: false,
-            early: None,
-            careful_stmts: std::sync::Mutex::new(HashMap::new()),
-            deferred: Default::default(),
-            fk_pending: Vec::new(),
-            origin_client: None,
-            lanes: None,
-            turn: None,
-            gate_ticket: None,
-            routine_side: 0,
-            lane_turn,
-            lane_wait,
-            lane_token,
-            lane_release,
-        };
-        applier.load_origins().await?;
-        if let Some(wm) = stored_wm
-            .and_then(|v| serde_json::from_value::<BTreeMap<String, DateTime<Utc>>>(v).ok())
-        {
-            applier.install_watermark(wm).await?;
-        }
-        if applier.peer_roidents.is_empty() {
-            return Err(ApplyFailure::new(
-                None,
-                format!("replication origin {origin} vanished"),
-            ));
-        }
-        // What we read is committed but, with asynchronous commit, maybe not
-        // yet flushed: it only becomes durable through the same gate.
-        applier.durable_progress().await?;
-        Ok((applier, start))
-    }
-
     /// The stream's counters as stored: applied transactions (counted by
     /// the progress guard in each one) and conflicts by type (the
     /// conflict log's rows from this peer), so status survives restarts.
@@ -662,7 +304,7 @@ impl Applier {
         self.install_watermark(wm).await
     }
 
-    async fn install_watermark(
+    pub(super) async fn install_watermark(
         &mut self,
         wm: BTreeMap<String, DateTime<Utc>>,
     ) -> Result<(), ApplyFailure> {

@@ -50,12 +50,13 @@ use bytes::Bytes;
 use mm_proto::pgoutput::{ColumnValue, Message};
 
 use super::ApplyFailure;
-use super::applier::{Applier, TxnBody, TxnMeta};
+use super::applier::Applier;
 use super::param::Param;
 use super::pipeline::Stmt;
 use super::relation::LocalRelation;
 use super::sql::{self, BatchChange, BatchStep, TombstoneWrite};
 use super::tuple::{locate, tuple_params};
+use super::txn::{TxnBody, TxnMeta};
 
 /// Transactions one CALL applies at most.
 pub(super) const BATCH_TXNS: usize = 100;

@@ -20,11 +20,11 @@ use serde_json::Value;
 use tokio_postgres::Statement;
 use tokio_postgres::types::ToSql;
 
-use super::applier::{TxnBody, TxnMeta};
 use super::pipeline::Done;
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
 use super::tuple::{column_count, locate, masked_locator, tuple_params, unchanged_mask};
+use super::txn::{TxnBody, TxnMeta};
 use super::{Applier, ApplyFailure, Param};
 use crate::conflict::classify::{self, Detection, Facts, Local, Op, Plan, Seen, Write};
 use crate::conflict::{Conflict, ConflictType, Resolution, ResolverChoice};

@@ -16,9 +16,9 @@ use bytes::Bytes;
 use mm_proto::pgoutput::{ColumnValue, LogicalMessage, Relation, RelationColumn, ReplicaIdentity};
 use serde::Deserialize;
 
-use super::applier::TxnMeta;
 use super::careful::Outcome;
 use super::sql::Locator;
+use super::txn::TxnMeta;
 use super::{Applier, ApplyFailure, Param};
 use crate::conflict::classify::Op;
 

@@ -42,7 +42,8 @@ use mm_proto::Lsn;
 use mm_proto::pgoutput::Message;
 
 use super::ApplyFailure;
-use super::applier::{Applier, TxnBody, TxnMeta};
+use super::applier::Applier;
+use super::txn::{TxnBody, TxnMeta};
 
 impl Applier {
     /// Opens the local transaction of `meta` (end LSN unknown: its commit

@@ -9,13 +9,12 @@ use mm_proto::pgoutput::{
     ColumnValue, Delete, Insert, Message, OldTuple, Truncate, TupleData, Update,
 };
 
-use super::applier::{
-    Applier, ChangeSource, Guard, TxnMeta, is_partition_truncate, partition_truncate_params,
-};
+use super::applier::{Applier, Guard, is_partition_truncate, partition_truncate_params};
 use super::pipeline::{OpKind, OpMeta, Pipeline, Stmt};
 use super::relation::LocalRelation;
 use super::sql::{self, Commit};
 use super::tuple::{column_count, locate, masked_locator, tuple_params};
+use super::txn::{ChangeSource, TxnMeta};
 use super::{ApplyFailure, Param};
 
 /// Rows per multi-row INSERT for runs of inserts into one table: large

@@ -44,9 +44,10 @@ use mm_proto::pgoutput::Message;
 
 use super::ApplyFailure;
 use super::Param;
-use super::applier::{Applier, TxnBody, TxnMeta, Watermark};
+use super::applier::{Applier, Watermark};
 use super::fast::control_op;
 use super::pipeline::{OpKind, Pipeline};
+use super::txn::{TxnBody, TxnMeta};
 
 /// A transaction with more row changes than this is applied alone: it
 /// already amortises its own commit.

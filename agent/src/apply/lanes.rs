@@ -54,12 +54,13 @@ use futures_util::future::select_all;
 use mm_proto::Lsn;
 use mm_proto::pgoutput::Message;
 
-use super::applier::{Applier, TxnBody, TxnMeta};
+use super::applier::Applier;
 use super::hot::{fingerprint, key_of};
 use super::pipeline::Pipeline;
 use super::relation::LocalRelation;
 use super::schedule::{Placement, Scheduler};
 use super::tuple::locate;
+use super::txn::{TxnBody, TxnMeta};
 use super::{ApplyFailure, Param};
 
 /// What the transaction sent last waits on, for the one sent next.

@@ -26,12 +26,13 @@ use std::sync::Arc;
 
 use mm_proto::pgoutput::{ColumnValue, Insert, Message};
 
-use super::applier::{Applier, TxnMeta};
+use super::applier::Applier;
 use super::fast::{MAX_PARAMS, push_row};
 use super::pipeline::{OpKind, Pipeline};
 use super::relation::LocalRelation;
 use super::sql::{self, Locator};
 use super::tuple::{locate, tuple_params};
+use super::txn::TxnMeta;
 use super::{ApplyFailure, Param};
 
 /// What a batch holds: changes of one kind that one statement can apply

@@ -38,14 +38,17 @@ mod pipeline;
 mod recover;
 mod relation;
 mod schedule;
+mod session;
 mod skip;
 pub mod sql;
 mod tuple;
+mod txn;
 
-pub use applier::{Applier, ApplyContext, ChangeSource, InMemory, Replayable, TxnBody, TxnMeta};
+pub use applier::{Applier, ApplyContext};
 pub use gate::Gate;
 pub use param::Param;
 pub use pipeline::Done;
+pub use txn::{ChangeSource, InMemory, Replayable, TxnBody, TxnMeta};
 
 /// Why a change could not be applied. The stream adds peer and LSN.
 #[derive(Debug, Clone, thiserror::Error)]

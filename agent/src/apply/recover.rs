@@ -13,8 +13,9 @@ use std::time::Instant;
 use mm_proto::Lsn;
 use mm_proto::pgoutput::{Message, Update};
 
-use super::applier::{Applier, TxnBody, TxnMeta, Watermark};
+use super::applier::{Applier, Watermark};
 use super::relation::UPSERT_TOMBSTONES_FOR;
+use super::txn::{TxnBody, TxnMeta};
 use super::{ApplyFailure, Signal};
 use crate::conflict::ResolverChoice;
 

@@ -3,10 +3,11 @@
 
 use mm_proto::pgoutput::{ColumnValue, KeyTuple, Message, OldTuple, TupleData};
 
-use super::applier::{Applier, ChangeSource, TxnMeta};
+use super::applier::Applier;
 use super::fast::control_op;
 use super::pipeline::{OpKind, Pipeline};
 use super::relation::LocalRelation;
+use super::txn::{ChangeSource, TxnMeta};
 use super::{ApplyFailure, Param};
 
 impl Applier {
