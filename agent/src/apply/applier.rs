@@ -96,7 +96,7 @@ pub struct ApplyContext {
     pub resolvers: Arc<TableResolvers>,
     /// How to reach the publisher's PostgreSQL (its `peer_dsn`, this agent's
     /// password): for the values of unchanged-TOAST columns a conflict
-    /// needs (`careful.rs`).
+    /// needs (`careful/`).
     pub peer_dsn: String,
     pub peer_password: Option<String>,
     /// What this node has applied from every origin (`watermark.rs`).
@@ -177,7 +177,7 @@ pub struct Applier {
     /// A connection to the publisher, opened when a conflict first needs
     /// values it did not send.
     pub(super) origin_client: Option<Client>,
-    /// The careful path's statements by text (`careful.rs`, `prepared`).
+    /// The careful path's statements by text (`careful/mod.rs`, `prepared`).
     pub(super) careful_stmts: std::sync::Mutex<HashMap<String, Statement>>,
     /// The careful transaction's writes not answered yet (`deferred.rs`).
     pub(super) deferred: super::deferred::Deferred,

@@ -7,7 +7,7 @@
 //! counted). Under hot keys nearly every transaction is careful and one
 //! round trip per write was a third of its time.
 //!
-//! Invariants, relied on by `careful.rs`:
+//! Invariants, relied on by the careful path (`careful/`):
 //! - Order: statements on one session execute in the order sent, and a
 //!   write is sent here at once (its future is polled once, as in
 //!   `pipeline.rs`). A later read or write of the same transaction sees it.

@@ -504,7 +504,7 @@ impl Applier {
         let mut params = tuple_params(&upd.new, rel, Some(&set_mask))?;
         let (match_mask, match_params) = locate(rel, upd.old.as_ref(), Some(&upd.new))?;
         // A key change is a delete of the old key and an insert at the new
-        // one, each judged on its own key (careful::careful_move).
+        // one, each judged on its own key (careful/write.rs, `careful_move`).
         if super::careful::key_changed(rel, &upd, &match_params) {
             return Err(ApplyFailure::to_careful(Some(&display), "a key change"));
         }

@@ -30,7 +30,7 @@
 //!
 //! Invariant (origin): a session writes replicated rows only while it holds
 //! the stream's replication origin. The pipelined session holds it while
-//! it applies; the careful path (`careful.rs`) applies on the client
+//! it applies; the careful path (`careful/`) applies on the client
 //! session and takes it over first (`give_origin`), and the next pushed
 //! statement takes it back. A commit without it fails anyway:
 //! `pg_replication_origin_xact_setup` in every transaction's progress

@@ -1,7 +1,7 @@
 //! The conflict rules as two pure functions: `detect` (is there a conflict,
 //! of which type, against which local version) and `plan` (given the
 //! resolver's decision, what happens to which rows). The careful path
-//! (`apply/careful.rs`) gathers the facts under row locks, asks the resolver
+//! (`apply/careful/`) gathers the facts under row locks, asks the resolver
 //! and carries the plan out; it decides nothing itself. Each rule is a row
 //! of the conflict table in docs/ARCHITECTURE.md, tested below row by row.
 //!

@@ -416,7 +416,7 @@ $fn$;
 
 -- Raised by a fast-path statement that needs the resolver: the applier
 -- rolls the transaction back and applies it again with conflict detection
--- and resolution (apply/careful.rs). Only ever called on that path.
+-- and resolution (apply/careful/). Only ever called on that path.
 CREATE OR REPLACE FUNCTION mm.conflict() RETURNS boolean
 LANGUAGE plpgsql AS $fn$
 BEGIN

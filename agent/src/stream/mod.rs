@@ -154,7 +154,7 @@ fn failure_kind(f: &ApplyFailure) -> ErrorKind {
             ErrorKind::Transient
         }
         // Lock timeout; MM002: a row an update needs may still arrive
-        // from its origin through another node (apply/careful.rs); MM003:
+        // from its origin through another node (apply/careful/); MM003:
         // the progress guard (a transaction queued on top of one that did
         // not commit): the restarted stream resumes from the durable
         // progress, so it passes by itself.
