@@ -120,8 +120,8 @@ impl Applier {
                 .to_datetime()
                 .is_some_and(|ts| self.ctx.applied.may_group(&self.ctx.peer, ts));
         if !grouped {
-            // What a group refuses (a third node not heard from lately,
-            // a shape groups do not take) may still go in a batch, each
+            // What a group refuses (a third node not heard from lately)
+            // may still go in a batch, each
             // transaction committed on its own: a batch needs no third
             // node's announcements.
             return !self.group_open() && self.may_batch(meta, body, msgs);
