@@ -10,8 +10,8 @@ use crate::apply::sql::{self, Locator};
 use crate::apply::tuple::{locate, masked_locator, tuple_params, unchanged_mask};
 use crate::apply::txn::TxnMeta;
 use crate::apply::{Applier, ApplyFailure, Param};
-use crate::conflict::ConflictType;
-use crate::conflict::classify::{self, Op, Write};
+use crate::conflict::classify::{self, Facts, Op, Plan, Write};
+use crate::conflict::{Conflict, ConflictType};
 
 use super::{Found, Judgement, OriginRow, Outcome, Version, key_changed, key_of, remote_ts};
 
@@ -79,23 +79,21 @@ impl Applier {
         let key = remote_new.as_ref().and_then(|v| key_of(rel, v));
         let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
         let plain_insert = sql::insert(&rel.table_sql, &cols);
-        let (c, plan) = match self
-            .judge(rel, meta, facts, &found, &remote_old, &remote_new)
+        let write = (plain_insert.as_str(), params.as_slice());
+        let Some((c, plan)) = self
+            .judge_write(
+                oid,
+                meta,
+                facts,
+                &found,
+                (&remote_old, &remote_new),
+                write,
+                found.tombstone.as_ref(),
+                out,
+            )
             .await?
-        {
-            Judgement::Apply => {
-                self.exec_row(rel, &plain_insert, &params).await?;
-                if let Some(t) = &found.tombstone {
-                    self.note_routine(t);
-                }
-                return Ok(());
-            }
-            Judgement::Truncated(kind) => {
-                return self
-                    .log_truncated(oid, meta, kind, &found, remote_old, remote_new, out)
-                    .await;
-            }
-            Judgement::Decided(d) => *d,
+        else {
+            return Ok(());
         };
         let rel = self.rel(oid)?;
         self.carry_out(
@@ -113,6 +111,44 @@ impl Applier {
             self.exec_row(rel, &plain_insert, &params).await?;
         }
         self.log_conflict(rel, meta, &c, key, plan.label, out).await
+    }
+
+    /// Judges a change (`judge`) and settles the outcomes the resolver has
+    /// no part in: routine, applied by `write` (`passed`, the local version
+    /// it replaces or passes, counted as routine); older than its table's
+    /// truncate, logged and dropped. Otherwise the resolver's decision.
+    #[allow(clippy::too_many_arguments)]
+    async fn judge_write(
+        &mut self,
+        oid: u32,
+        meta: &TxnMeta,
+        facts: Facts,
+        found: &Found,
+        (remote_old, remote_new): (&Option<Value>, &Option<Value>),
+        write: (&str, &[Param]),
+        passed: Option<&Version>,
+        out: &mut Outcome,
+    ) -> Result<Option<(Conflict, Plan)>, ApplyFailure> {
+        let rel = self.rel(oid)?;
+        match self
+            .judge(rel, meta, facts, found, remote_old, remote_new)
+            .await?
+        {
+            Judgement::Apply => {
+                self.exec_row(rel, write.0, write.1).await?;
+                if let Some(v) = passed {
+                    self.note_routine(v);
+                }
+                Ok(None)
+            }
+            Judgement::Truncated(kind) => {
+                let (old, new) = (remote_old.clone(), remote_new.clone());
+                self.log_truncated(oid, meta, kind, found, old, new, out)
+                    .await?;
+                Ok(None)
+            }
+            Judgement::Decided(d) => Ok(Some(*d)),
+        }
     }
 
     /// Logs a change discarded for being older than its table's truncate.
@@ -279,23 +315,21 @@ impl Applier {
         };
         let facts = self.facts(Op::Update, &found, rts);
         let remote_new = Some(remote_new);
-        let (c, plan) = match self
-            .judge(rel, meta, facts, &found, &remote_old, &remote_new)
+        let write = (plain_update.as_str(), update_params.as_slice());
+        let Some((c, plan)) = self
+            .judge_write(
+                oid,
+                meta,
+                facts,
+                &found,
+                (&remote_old, &remote_new),
+                write,
+                found.target.as_ref(),
+                out,
+            )
             .await?
-        {
-            Judgement::Apply => {
-                self.exec_row(rel, &plain_update, &update_params).await?;
-                if let Some(t) = &found.target {
-                    self.note_routine(t);
-                }
-                return Ok(());
-            }
-            Judgement::Truncated(kind) => {
-                return self
-                    .log_truncated(oid, meta, kind, &found, remote_old, remote_new, out)
-                    .await;
-            }
-            Judgement::Decided(d) => *d,
+        else {
+            return Ok(());
         };
         let rel = self.rel(oid)?;
         let kind = c.kind;
