@@ -82,10 +82,11 @@ pub struct ReplicationSection {
     /// Default `["public"]`.
     pub schemas: Vec<String>,
     pub synchronous_commit: SyncCommit,
-    /// `replication.apply_lanes`, 1..=64, default 1. SPEC names the key for
-    /// parallel apply sessions per peer; they are not built yet, so the
-    /// agent applies on one session per peer whatever the value, and warns
-    /// at start when it is above 1 (docs/ARCHITECTURE.md, "Apply throughput").
+    /// `replication.apply_lanes`, 1..=64, default 1: apply sessions per
+    /// peer. Above 1, transactions whose write sets are disjoint apply on
+    /// several sessions at once and still commit in the publisher's order
+    /// (the agent's `apply/lanes.rs`, docs/ARCHITECTURE.md "Parallel apply
+    /// lanes").
     pub apply_lanes: u32,
     /// `replication.group_transactions`, 1..=1000, default 1: how many
     /// small remote transactions a stream that is behind may apply as one

@@ -282,3 +282,50 @@ async fn a_transaction_deleting_the_key_it_inserted_is_no_conflict() -> Result<(
     );
     Ok(())
 }
+
+/// A table too wide for a procedure's arguments (PostgreSQL takes at most
+/// 100; a batch passes one array per value) stays out of batches: its
+/// transactions go one statement each and are applied, and the narrow
+/// table's backlog after them is still batched. Before, the wide table's
+/// procedure failed to be created and batches were off for the session;
+/// now it is not tried (a refused procedure would turn off its shape only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_too_wide_for_a_procedure_leaves_batches_to_the_others() -> Result<()> {
+    mm_tests::init_tracing();
+    let cols: Vec<String> = (1..=120).map(|n| format!("c{n} int")).collect();
+    let schema = format!(
+        "{SCHEMA} CREATE TABLE wide (id int PRIMARY KEY, {});",
+        cols.join(", ")
+    );
+    let c = TestCluster::start(&["bwd1", "bwd2"], &schema).await?;
+    c.pause("bwd1", "bwd2").await?;
+    let values: Vec<String> = (1..=120).map(|n| n.to_string()).collect();
+    let mut stmts: Vec<String> = (1..=200)
+        .map(|id| format!("INSERT INTO wide VALUES ({id}, {})", values.join(", ")))
+        .collect();
+    stmts.extend((1..=300).map(|id| format!("INSERT INTO items VALUES ({id}, {id})")));
+    stmts.extend((1..=100).map(|id| format!("UPDATE wide SET c7 = -{id} WHERE id = {id}")));
+    c.run_each(0, &stmts).await?;
+    c.resume("bwd1", "bwd2").await?;
+    c.wait_sync(120).await?;
+    let wide = c.assert_same("SELECT * FROM wide ORDER BY id").await?;
+    ensure!(wide.len() == 200, "{} wide rows, want 200", wide.len());
+    let items = c.assert_same("SELECT id, v FROM items ORDER BY id").await?;
+    ensure!(items.len() == 300, "{} items, want 300", items.len());
+    let updated = c.value(1, "SELECT count(*) FROM wide WHERE c7 < 0").await?;
+    ensure!(
+        updated == 100,
+        "{updated} wide rows updated on bwd2, want 100"
+    );
+    ensure!(
+        c.batch_procedures(1).await? >= 1,
+        "the narrow table's inserts were not batched after the wide table's"
+    );
+    // The wide shape was never tried: no procedure refused.
+    let log = c.agents[1].log();
+    ensure!(
+        !log.contains("cannot create"),
+        "bwd2 tried a batch procedure the server refused:\n{log}"
+    );
+    Ok(())
+}

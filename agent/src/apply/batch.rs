@@ -94,6 +94,25 @@ fn batchable(rel: &LocalRelation, width: usize) -> bool {
     rel.key_names().is_some() && rel.fks.is_none() && width == rel.local_names.len()
 }
 
+/// The columns a batched UPDATE sets: all but GENERATED ALWAYS identity
+/// ones (the fast path's SET leaves them too).
+fn settable(rel: &LocalRelation) -> impl Iterator<Item = usize> + '_ {
+    (0..rel.local_names.len()).filter(|&i| !rel.always_identity.get(i).copied().unwrap_or(false))
+}
+
+impl Kind {
+    /// The value arrays the procedure takes for this change of `rel`
+    /// (`sql::BatchChange::arrays` of the step `batch_definition` builds).
+    fn arrays(self, rel: &LocalRelation) -> usize {
+        let key = rel.key_names().map_or(0, |k| k.len());
+        match self {
+            Kind::Insert => rel.local_names.len(),
+            Kind::Update => settable(rel).count() + key,
+            Kind::Delete(_) => key,
+        }
+    }
+}
+
 fn sent_whole(columns: &[ColumnValue]) -> bool {
     !columns
         .iter()
@@ -104,9 +123,12 @@ impl Applier {
     /// The batch a transaction of `msgs` can join, if any: 1 to
     /// `MAX_CHANGES` row changes, each an INSERT, an UPDATE that keeps its
     /// key (no old tuple) and sent every column, or a DELETE, of batchable
-    /// tables; nothing else but type and origin messages.
+    /// tables; nothing else but type and origin messages; and values that
+    /// fit a procedure's arguments (`sql::BATCH_MAX_ARRAYS`: a wider
+    /// shape's procedure could not be created).
     pub(super) fn batch_shape(&self, msgs: &[Message]) -> Option<Shape> {
         let mut steps = Vec::new();
+        let mut arrays = 0;
         for m in msgs {
             let step = match m {
                 Message::Insert(i) => {
@@ -130,10 +152,10 @@ impl Applier {
                 Message::Type(_) | Message::Origin(_) => continue,
                 _ => return None,
             };
+            arrays += step.1.arrays(self.relations.get(&step.0)?);
             steps.push(step);
         }
-        (1..=MAX_CHANGES)
-            .contains(&steps.len())
+        ((1..=MAX_CHANGES).contains(&steps.len()) && arrays <= sql::BATCH_MAX_ARRAYS)
             .then(|| Shape(steps.into()))
     }
 
@@ -160,9 +182,7 @@ impl Applier {
             };
             let cols: Vec<&str> = rel.local_names.iter().map(String::as_str).collect();
             let types: Vec<&str> = rel.local_types.iter().map(String::as_str).collect();
-            let settable: Vec<usize> = (0..cols.len())
-                .filter(|&i| !rel.always_identity.get(i).copied().unwrap_or(false))
-                .collect();
+            let settable: Vec<usize> = settable(rel).collect();
             names.push(Names {
                 rel,
                 key_cols,
@@ -314,7 +334,7 @@ impl Applier {
         // before this batch).
         let name = loop {
             let mut pipe = self.take_pipe()?;
-            let r = pipe.procedure(&def).await;
+            let r = pipe.procedure(&def, &display).await;
             self.pipe = Some(pipe);
             match r {
                 Ok(n) => break n,

@@ -182,14 +182,22 @@ struct Raw {
     /// (`Pipeline::eager`).
     eager: bool,
     /// Batch procedures created on the session (`batch.rs`), temporary
-    /// (they go with it), by signature and body: their names.
-    procs: HashMap<Arc<str>, String>,
+    /// (they go with it), by signature and body: their names, or None for
+    /// one the server refused (that shape goes one statement each).
+    procs: HashMap<Arc<str>, Option<String>>,
 }
 
 /// Batch procedures one session may create: one per shape of transaction
 /// (its tables and kinds of change), more as relations are described
 /// again. Past it, transactions go one statement each.
 const MAX_PROCS: usize = 256;
+
+/// Why a batch procedure could not be created that holds for every shape
+/// alike: insufficient_privilege (no TEMPORARY privilege on the database)
+/// and undefined_object (no PL/pgSQL; the signature's types are all
+/// built in, and the body's casts to the tables' types are resolved only
+/// when it runs).
+const SESSION_WIDE: [&str; 2] = ["42501", "42704"];
 
 /// The transaction block a fused statement gets on the pipelined session:
 /// statement names, which are their text too.
@@ -478,17 +486,30 @@ impl Pipeline {
     }
 
     /// The name of the batch procedure with signature and body `def`
-    /// (`sql::batch_procedure`), created on the session first if it lacks
-    /// it (which waits for everything in flight). None: batches are off
-    /// for this session (creating one failed; the reason is logged).
-    pub async fn procedure(&mut self, def: &str) -> Result<Option<String>, ApplyFailure> {
-        if let Some(name) = self
+    /// (`sql::batch_procedure`) for transactions into `relation`, created
+    /// on the session first if it lacks it (which waits for everything in
+    /// flight). None: this shape goes one statement each, because the
+    /// server refused its procedure (the reason is logged once, naming the
+    /// table), or batches are off for the session (`SESSION_WIDE`, or
+    /// `MAX_PROCS` shapes seen).
+    ///
+    /// A refusal turns off this shape only: one bad procedure (say, a
+    /// shape a later server version rejects) must not cost every other
+    /// table its batches. One that would refuse every shape turns them all
+    /// off, instead of trying once per shape. An error that breaks the
+    /// session is the stream's.
+    pub async fn procedure(
+        &mut self,
+        def: &str,
+        relation: &str,
+    ) -> Result<Option<String>, ApplyFailure> {
+        if let Some(known) = self
             .raw
             .as_mut()
             .map(SyncWrapper::get_mut)
             .and_then(|r| r.procs.get(def))
         {
-            return Ok(Some(name.clone()));
+            return Ok(known.clone());
         }
         if !self.batches() {
             return Ok(None);
@@ -502,21 +523,25 @@ impl Pipeline {
         }
         raw.session.finish().await.map_err(raw_err(None))?;
         let name = format!("pg_temp.mm_batch_{}", raw.procs.len());
-        match raw
+        let created = match raw
             .session
             .query(&format!("CREATE OR REPLACE PROCEDURE {name}{def}"), &[])
             .await
         {
-            Ok(_) => {
-                raw.procs.insert(Arc::from(def), name.clone());
-                Ok(Some(name))
+            Ok(_) => Some(name),
+            Err(e) if e.is_fatal() => return Err(raw_err(Some(relation))(e)),
+            Err(e) if e.code().is_some_and(|c| SESSION_WIDE.contains(&c)) => {
+                tracing::warn!(error = %e, "cannot create batch procedures on the apply session: transactions are applied one statement each");
+                self.batchable = false;
+                return Ok(None);
             }
             Err(e) => {
-                tracing::warn!(error = %e, "cannot create a batch procedure on the apply session: transactions are applied one statement each");
-                self.batchable = false;
-                Ok(None)
+                tracing::warn!(error = %e, relation, "cannot create the batch procedure for transactions into this table: they are applied one statement each");
+                None
             }
-        }
+        };
+        raw.procs.insert(Arc::from(def), created.clone());
+        Ok(created)
     }
 
     /// Queues the CALL of a batch procedure applying `txns` (in commit

@@ -956,6 +956,11 @@ impl BatchChange<'_> {
 /// batch), then per transaction its end LSN and commit timestamp.
 pub const BATCH_FIXED_PARAMS: usize = 7;
 
+/// The value arrays a batch procedure may take: a function or procedure
+/// has at most `FUNC_MAX_ARGS` (100 in every stock build of PostgreSQL)
+/// arguments, its fixed ones included. A wider shape is not batched.
+pub const BATCH_MAX_ARRAYS: usize = 100 - BATCH_FIXED_PARAMS;
+
 /// `mm_t."k1" = mm_c<first>[mm_i]::t1 AND ..`: the row a batch's change
 /// targets, by its key.
 fn batch_key_match(key_cols: &[&str], key_types: &[&str], first: usize) -> String {
