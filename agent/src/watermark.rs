@@ -174,6 +174,22 @@ impl Watermarks {
             })
     }
 
+    /// Whether `peer` is the only other node of the cluster (Raft's
+    /// membership, nodes in every state: a joining one counts). Then a
+    /// delete applied from it needs no tombstone (`sql::TombstoneWrite::
+    /// Skip`): a remote delete's tombstone is read only by changes from a
+    /// third node that had not seen the delete. The publisher's own later
+    /// changes follow the delete in its commit order, and this node's
+    /// writes are not judged here; for the same reason `purge_cutoffs`
+    /// lets such tombstones go as soon as anything later from the
+    /// publisher is applied. A node that joins later copies rows in which
+    /// the delete is done, and writes after it. Unknown membership: no.
+    pub fn sole_peer(&self, peer: &str) -> bool {
+        lock(&self.members)
+            .as_ref()
+            .is_some_and(|m| m.iter().all(|x| x == peer || *x == self.local))
+    }
+
     pub fn forget(&self, peer: &str) {
         lock(&self.effective).remove(peer);
     }
@@ -421,6 +437,22 @@ mod tests {
         wm.set_effective("c", [("b".to_owned(), t(40))].into());
         assert!(!wm.may_group("b", t(30)));
         assert!(wm.may_group("b", t(18)));
+    }
+
+    #[test]
+    fn remote_deletes_skip_tombstones_only_from_the_sole_peer() {
+        let wm = Watermarks::new("a");
+        // Membership unknown: tombstones.
+        assert!(!wm.sole_peer("b"));
+        wm.set_members(vec!["a".to_owned(), "b".to_owned()]);
+        assert!(wm.sole_peer("b"));
+        // A third node in any state (joining, parting), however far it
+        // has applied: tombstones.
+        wm.set_members(vec!["a".to_owned(), "b".to_owned(), "c".to_owned()]);
+        wm.applied("c", t(20));
+        wm.set_effective("c", [("b".to_owned(), t(20))].into());
+        assert!(!wm.sole_peer("b"));
+        assert!(!wm.sole_peer("c"));
     }
 
     #[test]

@@ -549,3 +549,89 @@ async fn an_application_role_with_the_documented_grants_writes_replicated_tables
     assert_eq!(truncated, ["kv", "parted_1"]);
     Ok(())
 }
+
+/// Tombstones `mm.tombstones` on node `i` ever took (its statistics, which
+/// backends flush within about a second of going idle): the purge cannot
+/// hide one that was written.
+async fn tombstones_inserted(c: &TestCluster, i: usize) -> Result<i64> {
+    c.value(
+        i,
+        "SELECT n_tup_ins FROM pg_catalog.pg_stat_all_tables WHERE relid = 'mm.tombstones'::regclass",
+    )
+    .await
+}
+
+/// Deletes from the publisher, by one statement each (batched), and by
+/// one statement over many rows, with the stream paused, on `c`'s node 1.
+async fn backlog_of_deletes(c: &TestCluster) -> Result<()> {
+    let from = c.agents[0].name.clone();
+    let to = c.agents[1].name.clone();
+    c.pg[0]
+        .execute("INSERT INTO kv SELECT g, 'v' FROM generate_series(1, 400) g")
+        .await?;
+    c.wait_sync(60).await?;
+    c.pause(&from, &to).await?;
+    let each: Vec<String> = (1..=200)
+        .map(|id| format!("DELETE FROM kv WHERE id = {id}"))
+        .collect();
+    c.run_each(0, &each).await?;
+    c.pg[0].execute("DELETE FROM kv WHERE id > 300").await?;
+    c.resume(&from, &to).await?;
+    c.wait_sync(60).await?;
+    let rows = c.assert_same("SELECT id, v FROM kv ORDER BY id").await?;
+    anyhow::ensure!(rows.len() == 100, "{} rows left, want 100", rows.len());
+    Ok(())
+}
+
+/// Waits until node `i` of `c` has written `want` tombstones (`what`).
+async fn wait_inserted(c: &TestCluster, i: usize, want: i64, what: &str) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n = tombstones_inserted(c, i).await?;
+        if n >= want {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{n} tombstones written on {} for {what}, want {want}",
+            c.agents[i].name
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// In a cluster of two, a delete applied from the other node writes no
+/// tombstone: only a third node's change could ever read it (the purge
+/// would take it at once). With a third node in the cluster, the same
+/// deletes write theirs. The publisher's own deletes keep their local
+/// tombstones either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_deletes_write_tombstones_only_where_a_third_node_could_need_them() -> Result<()> {
+    mm_tests::init_tracing();
+    let three = TestCluster::start(&["tt1", "tt2", "tt3"], SCHEMA).await?;
+    backlog_of_deletes(&three).await?;
+    wait_inserted(&three, 1, 300, "tt1's deletes, a third node in the cluster").await?;
+    drop(three);
+
+    let two = TestCluster::start(&["tw1", "tw2"], SCHEMA).await?;
+    backlog_of_deletes(&two).await?;
+    wait_inserted(&two, 0, 300, "its own deletes").await?;
+    // The apply session's statistics are flushed once its 300 deletes
+    // show in them (they go together).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let deleted =
+        "SELECT n_tup_del FROM pg_catalog.pg_stat_all_tables WHERE relid = 'public.kv'::regclass";
+    while two.value(1, deleted).await? < 300 {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "tw2's statistics never showed the 300 deletes it applied"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let written = tombstones_inserted(&two, 1).await?;
+    anyhow::ensure!(
+        written == 0,
+        "tw2 wrote {written} tombstones for deletes from its only peer"
+    );
+    Ok(())
+}

@@ -663,6 +663,17 @@ impl Applier {
             .is_some_and(|r| r.fks.is_some())
     }
 
+    /// How a routine delete from the publisher writes its tombstone: none
+    /// while the publisher is this node's only peer
+    /// (`sql::TombstoneWrite::Skip`), else as the table's mode says.
+    pub(super) fn tombstone_write(&self, rel: &LocalRelation) -> super::sql::TombstoneWrite {
+        if self.ctx.applied.sole_peer(&self.ctx.peer) {
+            super::sql::TombstoneWrite::Skip
+        } else {
+            rel.tombstone_write()
+        }
+    }
+
     pub(super) fn rel(&self, oid: u32) -> Result<&LocalRelation, ApplyFailure> {
         self.relations.get(&oid).ok_or_else(|| {
             ApplyFailure::new(

@@ -146,7 +146,7 @@ impl Applier {
                 Message::Delete(d) => {
                     let rel = self.relations.get(&d.relation_oid)?;
                     batchable(rel, rel.local_names.len())
-                        .then_some((d.relation_oid, Kind::Delete(rel.tombstone_write())))?
+                        .then_some((d.relation_oid, Kind::Delete(self.tombstone_write(rel))))?
                 }
                 // Nothing to apply (see `queue_changes`).
                 Message::Type(_) | Message::Origin(_) => continue,

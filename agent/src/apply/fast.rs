@@ -592,7 +592,7 @@ impl Applier {
         let loc_params = params.len();
         params.extend(guard.params(false));
         let commit = commit_at(&mut params, progress);
-        let key = (match_mask, commit, rel.tombstone_write());
+        let key = (match_mask, commit, self.tombstone_write(rel));
         let stmt = match rel.delete.get(&key) {
             Some(s) => s.clone(),
             None => {

@@ -265,7 +265,7 @@ impl Applier {
                 // one, whatever the table's tombstone mode (not prepared
                 // again when the mode changes).
                 let tombstones = match class {
-                    Class::Delete => rel.tombstone_write(),
+                    Class::Delete => self.tombstone_write(rel),
                     _ => sql::TombstoneWrite::Insert,
                 };
                 let stmt = match rel.many.get(&(class.clone(), n, tombstones)) {
