@@ -185,17 +185,32 @@ impl Applier {
         }
     }
 
-    /// The table's truncate version when nothing is at the key (a row there
-    /// is newer than any truncate that left it).
-    pub(super) async fn truncate_if_gone(
+    /// What a change meets here: its target, the rows holding its unique
+    /// values, and, where no row is at its key, the key's tombstone (read
+    /// with `key`, the locator's values; none for a table without a key, or
+    /// without `key`: one the change already beat) and the table's
+    /// truncate (a row at the key is newer than any truncate that left it).
+    pub(super) async fn found(
         &self,
         rel: &LocalRelation,
-        target: &Option<Version>,
-    ) -> Result<Option<Version>, ApplyFailure> {
-        match target {
-            Some(_) => Ok(None),
-            None => self.fetch_truncate(rel).await,
-        }
+        target: Option<Version>,
+        collisions: Vec<Version>,
+        key: Option<&[Param]>,
+    ) -> Result<Found, ApplyFailure> {
+        let (tombstone, truncate) = match (&target, key) {
+            (Some(_), _) => (None, None),
+            (None, Some(key)) => (
+                self.fetch_tombstone(rel, key).await?,
+                self.fetch_truncate(rel).await?,
+            ),
+            (None, None) => (None, self.fetch_truncate(rel).await?),
+        };
+        Ok(Found {
+            target,
+            tombstone,
+            collisions,
+            truncate,
+        })
     }
 
     /// Detects, asks the resolver and plans, in one or two decisions (the

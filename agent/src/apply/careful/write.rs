@@ -63,17 +63,8 @@ impl Applier {
                 target.as_ref().and_then(|t| t.ctid.as_deref()),
             )
             .await?;
-        let tombstone = match (&target, tombstone_beaten) {
-            (None, false) => self.fetch_tombstone(rel, &key_params).await?,
-            _ => None,
-        };
-        let truncate = self.truncate_if_gone(rel, &target).await?;
-        let found = Found {
-            target,
-            tombstone,
-            collisions,
-            truncate,
-        };
+        let key = (!tombstone_beaten).then_some(key_params.as_slice());
+        let found = self.found(rel, target, collisions, key).await?;
         let facts = self.facts(op, &found, rts);
         let remote_new = Some(self.tuple_json(rel, &new.columns, |_| true).await?);
         let key = remote_new.as_ref().and_then(|v| key_of(rel, v));
@@ -302,17 +293,9 @@ impl Applier {
             }
             None => Vec::new(),
         };
-        let tombstone = match (&target, &rel.locator) {
-            (None, Locator::Key(_)) => self.fetch_tombstone(rel, &loc_params).await?,
-            _ => None,
-        };
-        let truncate = self.truncate_if_gone(rel, &target).await?;
-        let found = Found {
-            target,
-            tombstone,
-            collisions,
-            truncate,
-        };
+        let found = self
+            .found(rel, target, collisions, Some(&loc_params))
+            .await?;
         let facts = self.facts(Op::Update, &found, rts);
         let remote_new = Some(remote_new);
         let write = (plain_update.as_str(), update_params.as_slice());
@@ -498,17 +481,9 @@ impl Applier {
         let rts = remote_ts(meta);
         let rel = self.rel(oid)?;
         let keyed = matches!(rel.locator, Locator::Key(_));
-        let tombstone = match (&target, keyed) {
-            (None, true) => self.fetch_tombstone(rel, &loc_params).await?,
-            _ => None,
-        };
-        let truncate = self.truncate_if_gone(rel, &target).await?;
-        let found = Found {
-            target,
-            tombstone,
-            collisions: Vec::new(),
-            truncate,
-        };
+        let found = self
+            .found(rel, target, Vec::new(), Some(&loc_params))
+            .await?;
         let facts = self.facts(op, &found, rts);
         let key = key_of(rel, &remote_old);
         let remote_old = Some(remote_old);
